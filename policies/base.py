@@ -1,0 +1,73 @@
+"""The one policy contract: filter -> score -> pick.
+
+A policy gets a :class:`ClusterView` snapshot and the request's :class:`RequestFeatures` and returns
+a :class:`Decision`.  ``select`` has no side effects; what a policy learns from routing arrives
+through the optional hooks ``on_dispatch`` (the gateway sent the request) and ``on_complete`` (it
+finished), which default to no-ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import xxhash
+
+from .errors import NoReplicaError
+from .types import ClusterView, Decision, Outcome, ReplicaState, RequestFeatures
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def select(self, req: RequestFeatures, view: ClusterView) -> Decision: ...
+
+    def on_dispatch(self, req: RequestFeatures, decision: Decision, view: ClusterView) -> None: ...
+
+    def on_complete(self, req: RequestFeatures, replica_id: str, outcome: Outcome) -> None: ...
+
+
+class BasePolicy:
+    """Shared plumbing: the eligibility filter and no-op hooks."""
+
+    name = "base"
+
+    def eligible(self, req: RequestFeatures, view: ClusterView) -> list[ReplicaState]:
+        """Healthy, non-draining replicas that serve the request's model."""
+        out = [r for r in view.replicas if r.healthy and not r.draining and r.serves(req.model)]
+        if not out:
+            raise NoReplicaError(req.model)
+        return out
+
+    def on_dispatch(self, req: RequestFeatures, decision: Decision, view: ClusterView) -> None:
+        return None
+
+    def on_complete(self, req: RequestFeatures, replica_id: str, outcome: Outcome) -> None:
+        return None
+
+
+def rendezvous_order(key: int | str | bytes, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """Replicas ordered by highest-random-weight (rendezvous) hashing of ``key``.
+
+    Independent gateways compute the same order for the same key and replica set, and removing one
+    replica only moves the keys that ranked it first.
+    """
+    if isinstance(key, int):
+        seed = key & 0xFFFFFFFFFFFFFFFF
+    else:
+        seed = xxhash.xxh3_64_intdigest(key.encode() if isinstance(key, str) else key)
+    return sorted(replicas, key=lambda r: xxhash.xxh3_64_intdigest(r.id.encode(), seed), reverse=True)
+
+
+def decision_from_order(
+    order: Sequence[ReplicaState], reason: str, predicted_cached_tokens: int = 0, **scores: float
+) -> Decision:
+    """A decision that picks ``order[0]`` and keeps the rest as ordered retry alternates."""
+    return Decision(
+        replica=order[0].id,
+        alternates=tuple(r.id for r in order[1:]),
+        reason=reason,
+        predicted_cached_tokens=predicted_cached_tokens,
+        scores=dict(scores),
+    )

@@ -1,0 +1,85 @@
+"""Plain data exchanged between the gateway and the policies (no I/O, no framework types)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """One replica as a policy sees it in a snapshot.
+
+    ``in_flight`` is what the gateway(s) have sent and not yet seen finish; ``running`` and
+    ``waiting`` are the engine's own numbers scraped from its /metrics (0 when unknown);
+    ``kv_usage`` is the engine's KV-cache utilisation in [0, 1].
+    """
+
+    id: str
+    url: str = ""
+    healthy: bool = True
+    in_flight: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    models: frozenset[str] = frozenset()
+    draining: bool = False
+
+    @property
+    def load(self) -> int:
+        """Best estimate of requests the replica is working on or queueing."""
+        return max(self.in_flight, self.running + self.waiting)
+
+    def serves(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """What the gateway learnt from one parse of the request body."""
+
+    model: str
+    prefix_hashes: tuple[int, ...] = ()
+    tokens_per_hash: int = 64  # estimated prompt tokens covered by one prefix hash
+    prompt_tokens: int = 0  # estimated prompt length in tokens
+    max_tokens: int = 0  # requested output tokens, 0 if unset
+    session_key: str | None = None
+    stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """A consistent snapshot of the replicas that may serve a request, taken at ``now``."""
+
+    replicas: tuple[ReplicaState, ...]
+    now: float = 0.0
+
+    def by_id(self, replica_id: str) -> ReplicaState | None:
+        for r in self.replicas:
+            if r.id == replica_id:
+                return r
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where to send a request, where to retry, and why."""
+
+    replica: str
+    alternates: tuple[str, ...] = ()
+    reason: str = ""
+    predicted_cached_tokens: int = 0
+    scores: dict[str, float] = field(default_factory=dict, compare=False)
+
+    def candidates(self) -> tuple[str, ...]:
+        return (self.replica, *self.alternates)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened to a routed request, reported back to the policy."""
+
+    ok: bool
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    latency_s: float = 0.0
+    ttft_s: float | None = None
