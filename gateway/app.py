@@ -1,0 +1,164 @@
+"""The gateway ASGI app.  Everything is built in the lifespan and passed in; no globals.
+
+Hot routes (the POST inference endpoints) are dispatched to :class:`Proxy` as raw ASGI, without
+framework overhead; everything else (models, health, readiness, metrics, admin) goes to Starlette.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from policies import default_registry
+
+from .config import GatewayConfig
+from .errors import NotFound, error_body
+from .features import ROUTES
+from .health import check_all, health_loop
+from .metrics import GatewayMetrics
+from .proxy import Proxy, send_error
+from .replicas import ReplicaPool
+from .upstream import make_client
+
+log = logging.getLogger("kvgate.gateway")
+
+
+def json_response(data: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+@dataclass
+class GatewayState:
+    cfg: GatewayConfig
+    pool: ReplicaPool
+    proxy: Proxy
+    metrics: GatewayMetrics
+    client: httpx.AsyncClient
+    started: float
+
+
+class GatewayApp:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        policy_deps: object = None,
+    ) -> None:
+        self.cfg = cfg
+        self._transport = transport
+        self._clock = clock
+        self._policy_deps = policy_deps
+        self.state: GatewayState | None = None
+        # Build the policy now so a bad name or parameter fails before the server binds.
+        self._policy = default_registry().build(cfg.policy, cfg.policy_params, policy_deps)
+        self.control = Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/ready", self.ready, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/admin/replicas", self.replicas, methods=["GET"]),
+            ],
+            lifespan=self.lifespan,
+            exception_handlers={HTTPException: _http_error, Exception: _server_error},
+        )
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            kind = ROUTES.get(scope["path"])
+            if kind is not None:
+                if scope["method"] == "POST" and self.state is not None:
+                    return await self.state.proxy.handle(scope, receive, send, kind)
+                if scope["method"] != "POST":
+                    err = NotFound(f"{scope['method']} {scope['path']} is not supported; use POST")
+                    err.status = 405
+                    return await send_error(send, err)
+        await self.control(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app):
+        cfg = self.cfg
+        client = make_client(
+            cfg.connect_timeout_s, cfg.read_timeout_s, cfg.max_connections_per_replica, self._transport
+        )
+        pool = ReplicaPool(cfg.replicas, cfg.eject_after_failures)
+        metrics = GatewayMetrics()
+        proxy = Proxy(cfg, pool, self._policy, client, metrics, self._clock)
+        await check_all(client, pool, cfg.connect_timeout_s)
+        self.state = GatewayState(cfg, pool, proxy, metrics, client, self._clock())
+        checker = asyncio.create_task(health_loop(client, pool, cfg.health_interval_s, cfg.connect_timeout_s))
+        log.info("gateway ready", extra={"replicas": [r.id for r in pool], "policy": cfg.policy})
+        try:
+            yield
+        finally:
+            checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checker
+            await client.aclose()
+            self.state = None
+
+    # ------------------------------------------------------------------ control routes
+    def _st(self) -> GatewayState:
+        assert self.state is not None, "the app's lifespan has not started"
+        return self.state
+
+    async def models(self, request: Request) -> Response:
+        now = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": now, "owned_by": "kvgate", "replicas": len(reps)}
+            for m, reps in sorted(self._st().pool.models().items())
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        pool = self._st().pool
+        healthy = sum(1 for r in pool if r.healthy)
+        return json_response({"status": "ok", "replicas": len(pool), "healthy_replicas": healthy})
+
+    async def ready(self, request: Request) -> Response:
+        st = self._st()
+        models = st.pool.models()
+        known = {m for r in st.pool for m in r.models}
+        missing = sorted(known - set(models))
+        ok = bool(models) and not missing
+        body = {"ready": ok, "models": sorted(models), "models_without_replica": missing}
+        return json_response(body, 200 if ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        st = self._st()
+        for r in st.pool:
+            st.metrics.in_flight.labels(r.id).set(r.in_flight)
+            st.metrics.healthy.labels(r.id).set(1 if r.healthy else 0)
+        return Response(st.metrics.render(), media_type=st.metrics.content_type)
+
+    async def replicas(self, request: Request) -> Response:
+        return json_response({"replicas": [r.to_json() for r in self._st().pool]})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "not_found" if exc.status_code == 404 else "invalid_request"
+    msg = f"{request.method} {request.url.path}: {exc.detail}"
+    return Response(error_body(msg, "invalid_request_error", kind), exc.status_code, media_type="application/json")
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    return Response(error_body("internal gateway error", "server_error", "internal_error"), 500,
+                    media_type="application/json")
+
+
+def build_app(cfg: GatewayConfig, **kwargs) -> GatewayApp:
+    return GatewayApp(cfg.validate(), **kwargs)

@@ -1,0 +1,121 @@
+"""The ``kvgate`` command line: serve, sim, demo (and more as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from policies.errors import PolicyConfigError
+
+from .errors import ConfigError
+
+DESCRIPTION = """kvgate: a KV-cache-aware, OpenAI-compatible gateway for LLM replicas.
+
+subcommands:
+  serve   run the gateway in front of replicas (--replica URL, --config FILE, KVGATE_* env)
+  sim     run simulated OpenAI-compatible LLM replicas with a prefix cache
+  demo    run a gateway and 3 simulated replicas in one process, with usage examples
+"""
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (also KVGATE_CONFIG)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1; KVGATE_HOST)")
+    p.add_argument("--port", type=int, help="listen port (default 8000; KVGATE_PORT)")
+    p.add_argument(
+        "--replica", action="append", dest="replicas", metavar="URL",
+        help="replica base URL, repeatable (KVGATE_REPLICAS=url1,url2)",
+    )
+    p.add_argument("--policy", help="routing policy (default round_robin; KVGATE_POLICY)")
+    p.add_argument(
+        "--policy-param", action="append", default=[], metavar="KEY=VALUE",
+        help="policy parameter, repeatable",
+    )
+    p.add_argument("--log-level", help="debug|info|warning|error (default info)")
+    p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                   help="accepted client API key, repeatable (none: no auth)")
+
+
+def _serve_overrides(args: argparse.Namespace) -> dict:
+    params: dict[str, str] = {}
+    for item in args.policy_param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--policy-param takes KEY=VALUE, got {item!r}")
+        params[key] = value
+    out = {
+        "host": args.host, "port": args.port, "replicas": args.replicas, "policy": args.policy,
+        "log_level": args.log_level, "api_keys": args.api_keys,
+    }
+    if params:
+        out["policy_params"] = params
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .sim.cli_args import add_sim_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="kvgate", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    serve = sub.add_parser("serve", help="run the gateway", description="Run the kvgate gateway.")
+    _add_serve_args(serve)
+
+    sim = sub.add_parser(
+        "sim", help="run simulated LLM replicas",
+        description="Simulated OpenAI-compatible replicas (prefix cache, timing model, fault knobs), "
+        "several in one process on consecutive ports.",
+    )
+    sim.add_argument("--replicas", type=int, default=1, help="how many replicas (default 1)")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=9001, help="first port (default 9001)")
+    add_sim_arguments(sim)
+
+    demo = sub.add_parser(
+        "demo", help="gateway + 3 simulated replicas in one process",
+        description="Start a gateway and simulated replicas, print how to talk to them, "
+        "run until Ctrl-C.",
+    )
+    demo.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    demo.add_argument("--replicas", type=int, default=3, help="simulated replicas (default 3)")
+    demo.add_argument("--sim-port", type=int, default=9001, help="first replica port (default 9001)")
+    demo.add_argument("--policy", default=None, help="routing policy (default: the gateway's default)")
+    demo.add_argument("--log-level", default="warning")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .servers import install_uvloop
+
+    install_uvloop()
+    try:
+        if args.command == "serve":
+            from .runner import run_serve
+
+            return asyncio.run(run_serve(_serve_overrides(args), args.config, os.environ))
+        if args.command == "sim":
+            from .runner import run_sim
+
+            return asyncio.run(run_sim(args))
+        if args.command == "demo":
+            from .runner import run_demo
+
+            return asyncio.run(run_demo(args))
+    except (ConfigError, PolicyConfigError) as exc:
+        print(f"kvgate: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

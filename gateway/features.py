@@ -1,0 +1,133 @@
+"""One parse of a request body into the features routing needs (pure; no I/O)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import orjson
+import xxhash
+
+from policies.hashing import BYTES_PER_TOKEN, hash_bytes, model_seed, render_chat, render_completion
+from policies.types import RequestFeatures
+
+from .errors import BadRequest
+
+CHAT = "chat"
+COMPLETION = "completion"
+RESPONSES = "responses"
+EMBEDDINGS = "embeddings"
+
+ROUTES: dict[str, str] = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": COMPLETION,
+    "/v1/responses": RESPONSES,
+    "/v1/embeddings": EMBEDDINGS,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    kind: str
+    body: dict
+    features: RequestFeatures
+
+
+def _loads(raw: bytes) -> dict:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _first_turn_key(messages: list) -> str:
+    """Hash of the conversation up to and including its first user message."""
+    for i, msg in enumerate(messages):
+        if isinstance(msg, dict) and msg.get("role") == "user":
+            return "turn:" + xxhash.xxh3_64_hexdigest(render_chat(messages[: i + 1]).encode())
+    return "turn:" + xxhash.xxh3_64_hexdigest(render_chat(messages[:1]).encode())
+
+
+def _responses_messages(body: dict) -> list:
+    messages: list = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    inp = body.get("input")
+    if isinstance(inp, str):
+        messages.append({"role": "user", "content": inp})
+    elif isinstance(inp, list):
+        for item in inp:
+            if isinstance(item, dict):
+                messages.append({"role": item.get("role", item.get("type", "")), "content": item.get("content")})
+            else:
+                raise BadRequest("'input' items must be objects", param="input")
+    elif inp is not None:
+        raise BadRequest("'input' must be a string or a list", param="input")
+    return messages
+
+
+def _render(kind: str, body: dict) -> tuple[str, list | None]:
+    """The canonical prompt text and, for chat-like requests, the message list."""
+    try:
+        if kind == CHAT:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest("'messages' must be a non-empty list", param="messages")
+            return render_chat(messages, body.get("tools")), messages
+        if kind == RESPONSES:
+            messages = _responses_messages(body)
+            return render_chat(messages, body.get("tools")), messages
+        field = "prompt" if kind == COMPLETION else "input"
+        if field not in body:
+            raise BadRequest(f"'{field}' is required", param=field)
+        return render_completion(body[field]), None
+    except TypeError as exc:
+        raise BadRequest(str(exc)) from exc
+
+
+def _max_tokens(body: dict) -> int:
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = body.get(key)
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise BadRequest(f"'{key}' must be a non-negative integer", param=key)
+            return value
+    return 0
+
+
+def parse_request(
+    kind: str,
+    raw: bytes,
+    headers: Mapping[str, str],
+    *,
+    session_header: str = "x-session-id",
+    chunk_bytes: int = 256,
+) -> ParsedRequest:
+    """Validate the body just enough to route it and compute its prefix hashes."""
+    body = _loads(raw)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a non-empty string", param="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    text, messages = _render(kind, body)
+    data = text.encode("utf-8", "surrogatepass")
+    session = headers.get(session_header) or None
+    if session is None and isinstance(body.get("user"), str) and body["user"]:
+        session = "user:" + body["user"]
+    if session is None and messages:
+        session = _first_turn_key(messages)
+    features = RequestFeatures(
+        model=model,
+        prefix_hashes=tuple(hash_bytes(data, model_seed(model), chunk_bytes)),
+        tokens_per_hash=max(1, chunk_bytes // BYTES_PER_TOKEN),
+        prompt_tokens=max(1, len(data) // BYTES_PER_TOKEN),
+        max_tokens=_max_tokens(body),
+        session_key=session,
+        stream=stream,
+    )
+    return ParsedRequest(kind=kind, body=body, features=features)

@@ -1,0 +1,149 @@
+"""The replica pool: what the gateway knows of each replica, and snapshots for the policies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from policies.types import ClusterView, ReplicaState
+
+from .config import ReplicaConfig
+
+
+class Replica:
+    __slots__ = (
+        "id", "url", "models", "static_models", "healthy", "draining", "in_flight",
+        "running", "waiting", "kv_usage", "failures", "metrics_ok",
+    )
+
+    def __init__(self, cfg: ReplicaConfig) -> None:
+        self.id = cfg.id
+        self.url = cfg.url
+        self.models: frozenset[str] = frozenset(cfg.models)
+        self.static_models = bool(cfg.models)
+        self.healthy = True  # optimistic until the first health check says otherwise
+        self.draining = False
+        self.in_flight = 0
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.failures = 0  # consecutive
+        self.metrics_ok = False
+
+    def state(self) -> ReplicaState:
+        return ReplicaState(
+            id=self.id, url=self.url, healthy=self.healthy, in_flight=self.in_flight,
+            running=self.running, waiting=self.waiting, kv_usage=self.kv_usage,
+            models=self.models, draining=self.draining,
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id, "url": self.url, "models": sorted(self.models),
+            "healthy": self.healthy, "draining": self.draining, "in_flight": self.in_flight,
+            "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
+            "consecutive_failures": self.failures,
+        }
+
+
+class ReplicaPool:
+    """Mutable pool state owned by the gateway's event loop (single-threaded, no locks)."""
+
+    def __init__(self, configs: Iterable[ReplicaConfig], eject_after_failures: int = 3) -> None:
+        self._replicas: dict[str, Replica] = {}
+        self.eject_after = eject_after_failures
+        for cfg in configs:
+            self.add(cfg)
+
+    def __iter__(self):
+        return iter(list(self._replicas.values()))
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._replicas.get(replica_id)
+
+    def add(self, cfg: ReplicaConfig) -> Replica:
+        if cfg.id in self._replicas:
+            raise ValueError(f"replica {cfg.id!r} already in the pool")
+        rep = Replica(cfg)
+        self._replicas[cfg.id] = rep
+        return rep
+
+    def remove(self, replica_id: str) -> Replica | None:
+        return self._replicas.pop(replica_id, None)
+
+    def snapshot(self, now: float = 0.0) -> ClusterView:
+        return ClusterView(tuple(r.state() for r in self._replicas.values()), now)
+
+    def models(self) -> dict[str, list[Replica]]:
+        """Model name -> healthy, non-draining replicas serving it."""
+        out: dict[str, list[Replica]] = {}
+        for rep in self._replicas.values():
+            if rep.healthy and not rep.draining:
+                for m in rep.models:
+                    out.setdefault(m, []).append(rep)
+        return out
+
+    def knows_model(self, model: str) -> bool:
+        """True when some replica (healthy or not) lists ``model``, or lists nothing yet."""
+        return any(not r.models or model in r.models for r in self._replicas.values())
+
+    # --- request accounting -------------------------------------------------------------
+    def begin(self, replica_id: str) -> None:
+        rep = self._replicas.get(replica_id)
+        if rep is not None:
+            rep.in_flight += 1
+
+    def end(self, replica_id: str) -> None:
+        rep = self._replicas.get(replica_id)
+        if rep is not None and rep.in_flight > 0:
+            rep.in_flight -= 1
+
+    def record_success(self, replica_id: str) -> None:
+        rep = self._replicas.get(replica_id)
+        if rep is not None:
+            rep.failures = 0
+            rep.healthy = True
+
+    def record_failure(self, replica_id: str) -> bool:
+        """Count a failure; eject (mark unhealthy) after N in a row.  Returns True on ejection."""
+        rep = self._replicas.get(replica_id)
+        if rep is None:
+            return False
+        rep.failures += 1
+        if rep.failures >= self.eject_after and rep.healthy:
+            rep.healthy = False
+            return True
+        return False
+
+
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # older vLLM name
+}
+
+
+def parse_engine_metrics(text: str) -> dict[str, float]:
+    """Sum the load gauges an engine exposes in Prometheus text (vLLM names)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0:
+            continue
+        key = _GAUGES.get(line[:name_end])
+        if key is None:
+            continue
+        rest = line[name_end:]
+        if rest.startswith("{"):
+            rest = rest[rest.find("}") + 1 :]
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        out[key] = out.get(key, 0.0) + value
+    return out

@@ -1,0 +1,91 @@
+"""Real servers on loopback ports for integration tests: simulated replicas and gateways."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.config import GatewayConfig, ReplicaConfig
+from gateway.runner import gateway_spec, sim_specs
+from gateway.servers import ServerGroup, free_port
+
+
+def free_port_block(n: int, host: str = "127.0.0.1") -> int:
+    """First of ``n`` consecutive free ports."""
+    for _ in range(200):
+        base = free_port(host)
+        if base + n >= 65000:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind((host, base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+@dataclass
+class Topology:
+    base_url: str
+    replica_urls: list[str]
+    gateway: object = None
+    groups: list[ServerGroup] = field(default_factory=list)
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return [u.split("://", 1)[1] for u in self.replica_urls]
+
+
+@contextlib.asynccontextmanager
+async def running_topology(
+    replicas: int = 3, sim_config=None, **gateway_settings
+) -> AsyncIterator[Topology]:
+    """Start ``replicas`` simulated replicas and one gateway in this event loop."""
+    from gateway.sim.config import SimConfig
+
+    sim_config = sim_config or SimConfig()
+    host = "127.0.0.1"
+    first = free_port_block(replicas)
+    sims = ServerGroup(sim_specs(replicas, host, first, sim_config))
+    await sims.start()
+    urls = [f"http://{host}:{first + i}" for i in range(replicas)]
+    cfg = GatewayConfig(
+        host=host, port=free_port(), replicas=tuple(ReplicaConfig(u) for u in urls),
+        log_level="warning", **gateway_settings,
+    ).validate()
+    spec = gateway_spec(cfg)
+    gw = ServerGroup([spec])
+    try:
+        await gw.start()
+        yield Topology(f"http://{host}:{cfg.port}", urls, spec.app, [gw, sims])
+    finally:
+        await gw.stop()
+        await sims.stop()
+
+
+def wait_ready(url: str, timeout: float = 60.0) -> None:
+    """Poll ``url`` until it answers 200 (start-up of a subprocess; not event ordering)."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            resp = httpx.get(url, timeout=1.0)
+            if resp.status_code == 200:
+                return
+            last = resp.status_code
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last!r}")
