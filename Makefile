@@ -26,11 +26,11 @@ demo: $(VENV)/.base-installed
 	$(BIN)/kvgate demo
 
 test: $(VENV)/.dev-installed redis-server
-	$(BIN)/ruff check gateway policies worker_agent tests loadtest
+	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
 lint: $(VENV)/.dev-installed
-	$(BIN)/ruff check gateway policies worker_agent tests loadtest
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
