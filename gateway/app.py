@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from policies import default_registry
 
+from .admin import AdminApi
 from .config import GatewayConfig
 from .errors import NotFound, error_body
 from .features import ROUTES
@@ -70,7 +71,7 @@ class GatewayApp:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.ready, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
-                Route("/admin/replicas", self.replicas, methods=["GET"]),
+                *AdminApi(self._st).routes(),
             ],
             lifespan=self.lifespan,
             exception_handlers={HTTPException: _http_error, Exception: _server_error},
@@ -143,9 +144,6 @@ class GatewayApp:
             st.metrics.in_flight.labels(r.id).set(r.in_flight)
             st.metrics.healthy.labels(r.id).set(1 if r.healthy else 0)
         return Response(st.metrics.render(), media_type=st.metrics.content_type)
-
-    async def replicas(self, request: Request) -> Response:
-        return json_response({"replicas": [r.to_json() for r in self._st().pool]})
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -51,6 +51,7 @@ class GatewayConfig:
     eject_after_failures: int = 3
     shutdown_grace_s: float = 15.0
     max_connections_per_replica: int = 256
+    admin_token: str = ""  # empty: admin changes only from loopback clients
 
     def validate(self) -> GatewayConfig:
         if not 0 < self.port < 65536:

@@ -12,7 +12,7 @@ from .config import ReplicaConfig
 class Replica:
     __slots__ = (
         "id", "url", "models", "static_models", "healthy", "draining", "in_flight",
-        "running", "waiting", "kv_usage", "failures", "metrics_ok",
+        "running", "waiting", "kv_usage", "failures", "metrics_ok", "removing",
     )
 
     def __init__(self, cfg: ReplicaConfig) -> None:
@@ -28,6 +28,7 @@ class Replica:
         self.kv_usage = 0.0
         self.failures = 0  # consecutive
         self.metrics_ok = False
+        self.removing = False  # drained and removed from the pool once idle
 
     def state(self) -> ReplicaState:
         return ReplicaState(
@@ -41,7 +42,7 @@ class Replica:
             "id": self.id, "url": self.url, "models": sorted(self.models),
             "healthy": self.healthy, "draining": self.draining, "in_flight": self.in_flight,
             "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
-            "consecutive_failures": self.failures,
+            "consecutive_failures": self.failures, "removing": self.removing,
         }
 
 
@@ -99,6 +100,25 @@ class ReplicaPool:
         rep = self._replicas.get(replica_id)
         if rep is not None and rep.in_flight > 0:
             rep.in_flight -= 1
+            if rep.removing and rep.in_flight == 0:
+                self._replicas.pop(replica_id, None)
+
+    def drain(self, replica_id: str, draining: bool = True) -> Replica | None:
+        rep = self._replicas.get(replica_id)
+        if rep is not None:
+            rep.draining = draining
+        return rep
+
+    def retire(self, replica_id: str) -> bool | None:
+        """Drain and remove once idle.  True: removed now; False: pending; None: unknown id."""
+        rep = self._replicas.get(replica_id)
+        if rep is None:
+            return None
+        if rep.in_flight == 0:
+            del self._replicas[replica_id]
+            return True
+        rep.draining = rep.removing = True
+        return False
 
     def record_success(self, replica_id: str) -> None:
         rep = self._replicas.get(replica_id)
