@@ -1,0 +1,351 @@
+"""The simulated replica as a raw ASGI app (no framework: it is a benchmark backend).
+
+Routes::
+
+    POST /v1/chat/completions, POST /v1/completions   (JSON, or SSE with "stream": true)
+    GET  /v1/models, GET /health, GET /metrics          (Prometheus text, vLLM names)
+    GET  /sim/state, GET|POST /sim/faults, POST /sim/reset
+
+When the replica has timing costs or a fault that waits (hang, stall) the request runs in a child
+task while the handler watches for the client's disconnect and cancels it (freeing the slot, as
+vLLM aborts a request whose client went away).  Instant replicas (zero costs) skip that and send a
+streamed response in one body write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import orjson
+
+from .config import SimConfig
+from .engine import SimEngine
+from .model import PromptBlocks, output_pieces
+from .protocol import (
+    DONE,
+    ApiError,
+    ChunkWriter,
+    CompletionRequest,
+    completion_body,
+    model_not_found,
+    parse_request,
+    simulated_overload,
+    usage,
+)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_JSON = (b"content-type", b"application/json")
+_SSE = (b"content-type", b"text/event-stream; charset=utf-8")
+_NO_CACHE = (b"cache-control", b"no-cache")
+_PROM = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
+
+
+class SimulatedDisconnect(Exception):
+    """Raised inside the app after a partial body so the server drops the connection."""
+
+
+class _Cut(Exception):
+    """Internal: the chunk budget of a close/stall fault is used up."""
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or ``None`` when the client disconnected first."""
+    msg = await receive()
+    if msg["type"] != "http.request":
+        return None
+    body = msg.get("body", b"")
+    if not msg.get("more_body", False):
+        return body
+    parts = [body]
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _forever() -> None:
+    await asyncio.get_running_loop().create_future()
+
+
+async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -> None:
+    """Run ``work``; if the client disconnects first, cancel it and return quietly."""
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(work)
+    watch = loop.create_task(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return
+    task.result()  # re-raise SimulatedDisconnect and the like
+
+
+class SimApp:
+    """One simulated replica.  ``engine`` is public for tests and in-process inspection."""
+
+    def __init__(self, config: SimConfig, clock: Any = None) -> None:
+        self.config = config
+        self.engine = SimEngine(config, clock)
+        self._ids = itertools.count(1)
+        self._id_tag = os.urandom(3).hex()
+        extra = [(b"x-sim-replica", config.name.encode())] if config.name else []
+        self._json_headers = [_JSON, *extra]
+        self._sse_headers = [_SSE, _NO_CACHE, *extra]
+        started = int(time.time())
+        self._models_body = orjson.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": config.model,
+                        "object": "model",
+                        "created": started,
+                        "owned_by": "kvgate-sim",
+                    }
+                ],
+            }
+        )
+        self._routes: dict[str, dict[str, Handler]] = {
+            "/v1/chat/completions": {"POST": self._chat},
+            "/v1/completions": {"POST": self._completions},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health},
+            "/metrics": {"GET": self._metrics},
+            "/sim/state": {"GET": self._state},
+            "/sim/faults": {"GET": self._get_faults, "POST": self._set_faults},
+            "/sim/reset": {"POST": self._reset},
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            methods = self._routes.get(scope["path"])
+            if methods is None:
+                await self._error(
+                    send, ApiError(404, f"no route {scope['path']}", code="not_found")
+                )
+                return
+            handler = methods.get(scope["method"])
+            if handler is None:
+                await self._error(
+                    send, ApiError(405, "method not allowed", code="method_not_allowed")
+                )
+                return
+            await handler(scope, receive, send)
+        elif kind == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+
+    # -- plain responses -------------------------------------------------------------------
+
+    async def _send(
+        self, send: Send, status: int, body: bytes, headers: list | None = None
+    ) -> None:
+        hdrs = [*(headers or self._json_headers), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": status, "headers": hdrs})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _error(self, send: Send, err: ApiError) -> None:
+        await self._send(send, err.status, err.body())
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._send(send, 200, self._models_body)
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.engine.faults.unhealthy:
+            await self._error(send, ApiError(503, "simulated unhealthy replica", "server_error"))
+        else:
+            await self._send(send, 200, b"")
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._send(send, 200, self.engine.metrics_text(), [_PROM])
+
+    async def _state(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._send(send, 200, orjson.dumps(self.engine.state()))
+
+    async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._send(send, 200, orjson.dumps({"faults": self.engine.faults.to_dict()}))
+
+    async def _set_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            return
+        try:
+            changes = orjson.loads(body or b"{}")
+            if not isinstance(changes, dict):
+                raise ValueError("the body must be a JSON object of fault settings")
+            faults = self.engine.set_faults(changes)
+        except (ValueError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
+            await self._error(send, ApiError(400, str(exc)))
+            return
+        await self._send(send, 200, orjson.dumps({"faults": faults.to_dict()}))
+
+    async def _reset(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.engine.reset()
+        await self._send(send, 200, orjson.dumps(self.engine.state()))
+
+    # -- completions -------------------------------------------------------------------------
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._completion(receive, send, chat=True)
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._completion(receive, send, chat=False)
+
+    async def _completion(self, receive: Receive, send: Send, *, chat: bool) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            return
+        engine = self.engine
+        cfg = self.config
+        try:
+            req = parse_request(body, chat=chat, default_max_tokens=cfg.default_max_tokens)
+            if req.model is not None and req.model != cfg.model:
+                raise model_not_found(req.model)
+            if engine.draw_error():
+                raise simulated_overload()
+        except ApiError as err:
+            await self._error(send, err)
+            return
+        faults = engine.faults
+        if faults.hang:
+            await _wait_disconnect(receive)
+            return
+        if req.token_ids is not None:
+            prompt = engine.prompt_from_ids(req.token_ids)
+        else:
+            prompt = engine.prompt_from_segments(req.segments)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self._id_tag}{next(self._ids):x}"
+        created = int(time.time())
+        if req.stream:
+            work = self._stream(req, prompt, rid, created, send)
+        else:
+            work = self._respond(req, prompt, rid, created, send)
+        if cfg.instant and faults.stall_after_chunks is None:
+            await work
+        else:
+            await _until_disconnect(work, receive)
+
+    def _cut_budget(self) -> int | None:
+        f = self.engine.faults
+        budgets = [b for b in (f.close_after_chunks, f.stall_after_chunks) if b is not None]
+        return min(budgets) if budgets else None
+
+    async def _break(self) -> None:
+        """Act out the close/stall fault after the partial body has been sent."""
+        f = self.engine.faults
+        if f.close_after_chunks is not None and (
+            f.stall_after_chunks is None or f.close_after_chunks <= f.stall_after_chunks
+        ):
+            raise SimulatedDisconnect("close_after_chunks fault")
+        await _forever()
+
+    async def _respond(
+        self, req: CompletionRequest, prompt: PromptBlocks, rid: str, created: int, send: Send
+    ) -> None:
+        n = req.max_tokens
+        job = await self.engine.complete(prompt, n)
+        text = "".join(output_pieces(req.prompt_text, n))
+        use = usage(job.prompt_tokens, job.cached_tokens, n)
+        body = completion_body(
+            req, rid, created, self.config.model, text, "length" if req.limited else "stop", use
+        )
+        if self._cut_budget() is None:
+            await self._send(send, 200, body)
+            return
+        hdrs = [*self._json_headers, (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": hdrs})
+        await send(
+            {"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True}
+        )
+        await self._break()
+
+    async def _stream(
+        self, req: CompletionRequest, prompt: PromptBlocks, rid: str, created: int, send: Send
+    ) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self._sse_headers})
+        engine = self.engine
+        writer = ChunkWriter(req, rid, created, self.config.model)
+        pieces = output_pieces(req.prompt_text, req.max_tokens)
+        budget = self._cut_budget()
+        flush_each = self.config.decode_s_per_token > 0
+        buf: list[bytes] = []
+
+        def emit(chunk: bytes) -> None:
+            nonlocal budget
+            buf.append(chunk)
+            if budget is not None:
+                budget -= 1
+                if budget <= 0:
+                    raise _Cut
+
+        async def flush() -> None:
+            if buf:
+                body = b"".join(buf)
+                buf.clear()
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+
+        try:
+            if budget == 0:  # cut before anything is computed
+                raise _Cut
+            job = await engine.admit(prompt)
+            completed = False
+            try:
+                await engine.prefill(job)
+                if req.chat:
+                    emit(writer.role())
+                emit(writer.token(pieces[0]))
+                for piece in itertools.islice(pieces, 1, None):
+                    if flush_each:
+                        await flush()
+                    await engine.decode(job)
+                    emit(writer.token(piece))
+                completed = True
+            finally:
+                engine.finish(job, completed=completed)
+            emit(writer.final("length" if req.limited else "stop"))
+            if req.include_usage:
+                emit(writer.usage(usage(job.prompt_tokens, job.cached_tokens, len(pieces))))
+            emit(DONE)
+        except _Cut:
+            cut = True
+        else:
+            cut = False
+        if cut:  # outside the except block: no chained traceback in the server's log
+            await flush()
+            await self._break()
+            return
+        await send({"type": "http.response.body", "body": b"".join(buf), "more_body": False})
+
+
+def build_sim_app(config: SimConfig | None = None, clock: Any = None) -> SimApp:
+    """An ASGI app simulating one replica (``clock``: see :mod:`gateway.sim.clock`)."""
+    return SimApp(config if config is not None else SimConfig(), clock)
