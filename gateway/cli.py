@@ -17,7 +17,15 @@ subcommands:
   serve   run the gateway in front of replicas (--replica URL, --config FILE, KVGATE_* env)
   sim     run simulated OpenAI-compatible LLM replicas with a prefix cache
   demo    run a gateway and 3 simulated replicas in one process, with usage examples
+  bench   benchmarks (routing quality, proxy overhead, KV transfers): `kvgate bench NAME --help`
 """
+
+# name -> (module with add_arguments(parser) and run(args) -> int, one-line summary)
+BENCHES = {
+    "routing": ("gateway.bench.routing", "routing quality of every policy and the peer routers"),
+    "proxy": ("gateway.bench.proxy", "gateway overhead against instant mock replicas"),
+    "transfer": ("worker_agent.bench_transfer", "KV tier moves and transports vs the machine's limits"),
+}
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -86,12 +94,32 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sim-port", type=int, default=9001, help="first replica port (default 9001)")
     demo.add_argument("--policy", default=None, help="routing policy (default: the gateway's default)")
     demo.add_argument("--log-level", default="warning")
+
+    bench = sub.add_parser(
+        "bench", help="run a benchmark",
+        description="Benchmarks that print tables and write markdown/JSON/PNG reports:\n"
+        + "\n".join(f"  {n:<9} {summary}" for n, (_, summary) in BENCHES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("bench", choices=sorted(BENCHES), help="which benchmark")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its options (see NAME --help)")
     return parser
+
+
+def run_bench(name: str, argv: list[str]) -> int:
+    import importlib
+
+    module = importlib.import_module(BENCHES[name][0])
+    parser = argparse.ArgumentParser(prog=f"kvgate bench {name}", description=BENCHES[name][1])
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return run_bench(args.bench, args.bench_args)
     from .servers import install_uvloop
 
     install_uvloop()

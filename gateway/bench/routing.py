@@ -1,0 +1,275 @@
+"""``kvgate bench routing``: routing quality of every kvgate policy and the peer routers.
+
+One run: for each workload, start simulated replicas (cache per replica = ``--cache-fraction`` of
+the workload's distinct prefix blocks), then for each target start the router, warm it up, reset
+the replicas' caches and counters, replay the workload's script (the same arrivals for everyone),
+and stop it.  Targets: every kvgate policy, ``sglang-router`` (cache_aware), ``vllm-router``
+(cache_aware, consistent_hash, sticky_least_loaded) when installed, and an oracle that hashes the
+group/session straight to a replica (the best reachable hit rate with perfect affinity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+import xxhash
+
+from ..servers import free_port
+from .loadgen import Result, percentile, run_workload
+from .procs import Proc, find_tool
+from .tables import markdown_table, replace_block
+from .workloads import WORKLOADS, BenchRequest, Workload, footprint
+
+KVGATE_POLICIES = ("round_robin", "least_load", "session", "prefix", "cache_aware")
+PEERS = {
+    "sglang-router/cache_aware": ("sglang-router", "cache_aware"),
+    "vllm-router/cache_aware": ("vllm-router", "cache_aware"),
+    "vllm-router/consistent_hash": ("vllm-router", "consistent_hash"),
+    "vllm-router/sticky_least_loaded": ("vllm-router", "sticky_least_loaded"),
+}
+
+
+@dataclass
+class Row:
+    workload: str
+    target: str
+    requests: int
+    failures: int
+    hit_rate: float
+    ideal_hit_rate: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    throughput_rps: float
+    max_over_mean_load: float
+    per_replica: list[int]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workloads", default="shared_prefix,multi_turn", help="comma-separated")
+    p.add_argument("--targets", default="all", help="comma-separated target names, or 'all'")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--prefill-ms-per-token", type=float, default=0.1)
+    p.add_argument("--decode-ms-per-token", type=float, default=10.0)
+    p.add_argument("--max-running", type=int, default=8)
+    p.add_argument("--cache-fraction", type=float, default=1 / 3,
+                   help="per-replica cache as a fraction of the workload's distinct blocks")
+    p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
+    p.add_argument("--out", default="bench-results", help="folder for routing.md/json/png")
+    p.add_argument("--readme", default=None, help="README to update between bench:routing markers")
+
+
+def target_names(requested: str) -> list[str]:
+    names = [f"kvgate/{p}" for p in KVGATE_POLICIES]
+    names += [n for n, (tool, _) in PEERS.items() if find_tool(tool)]
+    names.append("oracle")
+    if requested == "all":
+        return names
+    wanted = [n.strip() for n in requested.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        raise SystemExit(f"unknown or unavailable target(s): {unknown}; available: {names}")
+    return wanted
+
+
+def router_proc(name: str, urls: list[str], port: int, sim_args: dict) -> Proc | None:
+    ready = f"http://127.0.0.1:{port}/health"
+    if name == "oracle":
+        return None
+    if name.startswith("kvgate/"):
+        policy = name.split("/", 1)[1]
+        argv = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--policy", policy,
+                "--log-level", "warning"]
+        for u in urls:
+            argv += ["--replica", u]
+        if policy == "cache_aware":
+            argv += ["--policy-param", f"prefill_ms_per_token={sim_args['prefill_ms_per_token']}",
+                     "--policy-param", f"decode_ms_per_token={sim_args['decode_ms_per_token']}",
+                     "--policy-param", f"max_running={sim_args['max_running']}"]
+        return Proc(name.replace("/", "_"), argv, ready)
+    tool, policy = PEERS[name]
+    exe = find_tool(tool)
+    if tool == "sglang-router":
+        argv = [exe, "launch", "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
+                "--port", str(port), "--log-level", "warn", "--prometheus-port", str(free_port())]
+    else:
+        argv = [exe, "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
+                "--port", str(port), "--log-level", "warning", "--prometheus-port", str(free_port())]
+    return Proc(name.replace("/", "_"), argv, ready)
+
+
+def oracle_route(urls: list[str]):
+    def route(req: BenchRequest) -> str:
+        seed = xxhash.xxh3_64_intdigest(req.key.encode())
+        return max(urls, key=lambda u: xxhash.xxh3_64_intdigest(u.encode(), seed))
+    return route
+
+
+def _progress(label: str):
+    def show(done: int, total: int) -> None:
+        if sys.stderr.isatty() or done == total:
+            width = 30
+            filled = int(width * done / max(total, 1))
+            sys.stderr.write(f"\r  {label:<34} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+            if done == total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+    return show
+
+
+def _sim_state(urls: list[str]) -> list[dict]:
+    return [httpx.get(u + "/sim/state", timeout=5).json() for u in urls]
+
+
+def _reset(urls: list[str]) -> None:
+    for u in urls:
+        httpx.post(u + "/sim/reset", timeout=5).raise_for_status()
+
+
+def summarize(workload: Workload, target: str, results: list[Result], wall: float,
+              per_replica: list[int], ideal: float) -> Row:
+    ok = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    ttft = [r.ttft_s * 1000 for r in ok]
+    e2e = [r.e2e_s * 1000 for r in ok]
+    mean = sum(per_replica) / len(per_replica) if per_replica else 0
+    return Row(
+        workload.name, target, len(results), len(results) - len(ok), cached / prompt if prompt else 0.0,
+        ideal, percentile(ttft, 0.5), percentile(ttft, 0.99), percentile(e2e, 0.5), percentile(e2e, 0.99),
+        len(ok) / wall if wall else 0.0, max(per_replica) / mean if mean else 0.0, per_replica,
+    )
+
+
+def run_target(name: str, workload: Workload, urls: list[str], sim_args: dict, ideal: float,
+               log_dir: str) -> Row:
+    port = free_port()
+    proc = router_proc(name, urls, port, sim_args)
+    if proc is not None:
+        proc.start(timeout=90, log_dir=log_dir)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        route = oracle_route(urls) if proc is None else (lambda req: base)
+        if proc is not None:  # warm the router's connections, then start from cold caches
+            warm = httpx.post(base + "/v1/chat/completions", timeout=30, json={
+                "model": workload.model, "max_tokens": 1, "messages": [{"role": "user", "content": "warm up"}]})
+            if warm.status_code != 200:
+                raise RuntimeError(f"{name}: warm-up failed with {warm.status_code}: {warm.text[:200]}")
+        _reset(urls)
+        results, wall = asyncio.run(run_workload(workload, route, progress=_progress(f"{workload.name} {name}")))
+        per_replica = [s["requests_served"] + s["requests_aborted"] for s in _sim_state(urls)]
+    finally:
+        if proc is not None:
+            proc.stop()
+    return summarize(workload, name, results, wall, per_replica, ideal)
+
+
+def _scaled(name: str, scale: float) -> Workload:
+    factory = WORKLOADS[name]
+    w = factory()
+    if scale != 1.0:
+        n = max(10, int(len(w.requests) * scale))
+        w = factory(requests=n)
+    return w
+
+
+def run(args: argparse.Namespace) -> int:
+    targets = target_names(args.targets)
+    rows: list[Row] = []
+    sim_args = dict(prefill_ms_per_token=args.prefill_ms_per_token, decode_ms_per_token=args.decode_ms_per_token,
+                    max_running=args.max_running)
+    log_dir = os.path.join(args.out, "logs")
+    for wname in [w.strip() for w in args.workloads.split(",") if w.strip()]:
+        if wname not in WORKLOADS:
+            raise SystemExit(f"unknown workload {wname!r}; known: {sorted(WORKLOADS)}")
+        workload = _scaled(wname, args.scale)
+        fp = footprint(workload)
+        cache_blocks = max(16, int(fp.distinct_blocks * args.cache_fraction))
+        first = free_port()
+        sims = Proc("sims", [
+            sys.executable, "-m", "gateway.cli", "sim", "--replicas", str(args.replicas), "--port", str(first),
+            "--cache-blocks", str(cache_blocks), "--max-running", str(args.max_running),
+            "--prefill-ms-per-token", str(args.prefill_ms_per_token),
+            "--decode-ms-per-token", str(args.decode_ms_per_token)],
+            f"http://127.0.0.1:{first + args.replicas - 1}/health")
+        urls = [f"http://127.0.0.1:{first + i}" for i in range(args.replicas)]
+        print(f"{wname}: {len(workload.requests)} requests over {workload.duration_s:.0f}s, "
+              f"ideal hit rate {fp.ideal_hit_rate:.1%}, {fp.distinct_blocks} distinct blocks, "
+              f"{cache_blocks} cached blocks per replica", file=sys.stderr)
+        with sims.start(timeout=60, log_dir=log_dir):
+            for name in targets:
+                rows.append(run_target(name, workload, urls, sim_args, fp.ideal_hit_rate, log_dir))
+    write_report(rows, args)
+    return 0
+
+
+HEADERS = ["workload", "target", "hit rate", "of ideal", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms",
+           "E2E p99 ms", "req/s", "max/mean load", "failed"]
+
+
+def table_rows(rows: list[Row]) -> list[list[str]]:
+    return [[r.workload, r.target, f"{r.hit_rate:.1%}", f"{r.hit_rate / r.ideal_hit_rate:.0%}" if r.ideal_hit_rate else "-",
+             f"{r.ttft_p50_ms:.1f}", f"{r.ttft_p99_ms:.1f}", f"{r.e2e_p50_ms:.0f}", f"{r.e2e_p99_ms:.0f}",
+             f"{r.throughput_rps:.1f}", f"{r.max_over_mean_load:.2f}", str(r.failures)] for r in rows]
+
+
+def write_report(rows: list[Row], args: argparse.Namespace) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    setup = (f"{args.replicas} simulated replicas, {args.prefill_ms_per_token} ms/prefill token, "
+             f"{args.decode_ms_per_token} ms/decode token, {args.max_running} running, cache per replica = "
+             f"{args.cache_fraction:.2f} of the workload's distinct blocks; {stamp}")
+    md = f"Routing quality ({setup}):\n\n" + markdown_table(HEADERS, table_rows(rows)) + "\n"
+    print(md)
+    with open(os.path.join(args.out, "routing.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(args.out, "routing.json"), "w") as fh:
+        json.dump({"setup": setup, "rows": [asdict(r) for r in rows]}, fh, indent=2)
+    png = os.path.join(args.out, "routing.png")
+    if plot(rows, png):
+        md += f"\n![routing benchmark]({os.path.relpath(png, os.path.dirname(args.readme) or '.') if args.readme else png})\n"
+    if args.readme:
+        replace_block(args.readme, "routing", md)
+
+
+def plot(rows: list[Row], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    workloads = sorted({r.workload for r in rows}, key=[r.workload for r in rows].index)
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 3.6 * len(workloads)), squeeze=False)
+    for i, w in enumerate(workloads):
+        sub = [r for r in rows if r.workload == w]
+        names = [r.target for r in sub]
+        ax = axes[i][0]
+        ax.barh(names, [r.hit_rate * 100 for r in sub], color="tab:blue")
+        ax.axvline(sub[0].ideal_hit_rate * 100, color="k", ls="--", lw=1, label="ideal (one infinite cache)")
+        ax.set_xlabel("cache hit rate %")
+        ax.set_title(f"{w}: hit rate")
+        ax.legend(loc="lower right", fontsize=7)
+        ax.invert_yaxis()
+        ax = axes[i][1]
+        y = range(len(sub))
+        ax.barh([v - 0.2 for v in y], [r.ttft_p50_ms for r in sub], height=0.4, label="p50")
+        ax.barh([v + 0.2 for v in y], [r.ttft_p99_ms for r in sub], height=0.4, label="p99")
+        ax.set_yticks(list(y), names)
+        ax.set_xlabel("TTFT ms")
+        ax.set_title(f"{w}: time to first token")
+        ax.legend(fontsize=7)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
