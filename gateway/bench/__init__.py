@@ -1,0 +1,1 @@
+"""Benchmarks: ``kvgate bench <name>`` (each module exposes ``add_arguments(parser)`` and ``run(args)``)."""
