@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-import xxhash
-
 from .errors import NoReplicaError
+from .scoring import hrw_weight, rendezvous_seed
 from .types import ClusterView, Decision, Outcome, ReplicaState, RequestFeatures
 
 
@@ -53,11 +52,8 @@ def rendezvous_order(key: int | str | bytes, replicas: Sequence[ReplicaState]) -
     Independent gateways compute the same order for the same key and replica set, and removing one
     replica only moves the keys that ranked it first.
     """
-    if isinstance(key, int):
-        seed = key & 0xFFFFFFFFFFFFFFFF
-    else:
-        seed = xxhash.xxh3_64_intdigest(key.encode() if isinstance(key, str) else key)
-    return sorted(replicas, key=lambda r: xxhash.xxh3_64_intdigest(r.id.encode(), seed), reverse=True)
+    seed = rendezvous_seed(key)
+    return sorted(replicas, key=lambda r: hrw_weight(seed, r.id), reverse=True)
 
 
 def decision_from_order(

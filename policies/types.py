@@ -76,10 +76,15 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What happened to a routed request, reported back to the policy."""
+    """What happened to a routed request, reported back to the policy.
+
+    ``predicted_cached_tokens`` is the routing decision's prediction (``Decision``'s field), passed
+    back so a policy can compare it with ``cached_tokens`` without keeping per-request state.
+    """
 
     ok: bool
     prompt_tokens: int = 0
     cached_tokens: int | None = None
     latency_s: float = 0.0
     ttft_s: float | None = None
+    predicted_cached_tokens: int | None = None

@@ -1,0 +1,135 @@
+"""Microbenchmark: per-request policy cost and prefix-index memory.
+
+Run ``python -m policies.bench_policy`` (``--help`` for options).  For every policy it measures
+``select`` + ``on_dispatch`` per request at ``--replicas`` replicas with ``--hashes``-hash prompts
+(512 hashes x 64 tokens = 32k tokens) against a warm index:
+
+* ``warm``: the next turn of a known conversation (its chain + 1 new hash; mostly a hit),
+* ``cold``: a prompt nobody has seen (512 new hashes to record),
+
+and the index's memory per million recorded blocks, measured with tracemalloc (hash ints included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+
+from . import ClusterView, PolicyDeps, PrefixIndex, ReplicaState, RequestFeatures, default_registry
+from .base import rendezvous_order
+
+POLICIES = ("round_robin", "random", "least_load", "session", "prefix", "cache_aware")
+
+
+def _chain(rng: random.Random, n: int, prefix: tuple[int, ...] = ()) -> tuple[int, ...]:
+    return prefix + tuple(rng.getrandbits(64) for _ in range(n))
+
+
+def _view(rng: random.Random, n: int) -> ClusterView:
+    return ClusterView(
+        tuple(
+            ReplicaState(f"r{i}", in_flight=rng.randint(0, 12), models=frozenset({"m"}))
+            for i in range(n)
+        )
+    )
+
+
+def _features(chain: tuple[int, ...], key: str | None) -> RequestFeatures:
+    return RequestFeatures("m", chain, 64, len(chain) * 64, 256, key)
+
+
+def bench_policy(name: str, replicas: int, hashes: int, sessions: int, requests: int) -> dict:
+    rng = random.Random(1)
+    deps = PolicyDeps(clock=time.monotonic, index=PrefixIndex(default_capacity=1 << 17))
+    policy = default_registry().build(name, {}, deps)
+    system = _chain(rng, 32)
+    convs = [_chain(rng, hashes - 32 - 1, system) for _ in range(sessions)]
+    for i, chain in enumerate(convs):  # warm the index and the session table
+        view = _view(rng, replicas)
+        req = _features(chain, f"s{i}")
+        policy.on_dispatch(req, policy.select(req, view), view)
+    out = {}
+    for scenario in ("warm", "cold"):
+        reqs = []
+        for _ in range(requests):
+            i = rng.randrange(sessions)
+            if scenario == "warm":
+                convs[i] = _chain(rng, 1, convs[i])
+                reqs.append(_features(convs[i], f"s{i}"))
+            else:
+                reqs.append(_features(_chain(rng, hashes - 32, system), f"new{rng.random()}"))
+        views = [_view(rng, replicas) for _ in range(64)]
+        times = []
+        gc.disable()
+        for k, req in enumerate(reqs):
+            v = views[k % 64]
+            t0 = time.perf_counter_ns()
+            policy.on_dispatch(req, policy.select(req, v), v)
+            times.append(time.perf_counter_ns() - t0)
+        gc.enable()
+        times.sort()
+        out[scenario] = (
+            statistics.fmean(times) / 1e3,
+            times[len(times) // 2] / 1e3,
+            times[int(len(times) * 0.99)] / 1e3,
+        )
+    return out
+
+
+def bench_memory(blocks: int, chain_len: int, replicas: int, copies: int) -> tuple[float, float]:
+    """Bytes per recorded block (and per block-holding) for ``blocks`` distinct blocks."""
+    ids = [f"r{i}" for i in range(replicas)]
+    states = [ReplicaState(r) for r in ids]
+    rng = random.Random(2)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    index = PrefixIndex(default_capacity=blocks, max_total_blocks=blocks)
+    for _ in range(blocks // chain_len):
+        chain = _chain(rng, chain_len)
+        for r in rendezvous_order(chain[0], states)[:copies]:
+            index.insert(r.id, chain)
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    total = index.stats()["total_blocks"]
+    return used / total, used / (total * copies)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--hashes", type=int, default=512, help="prefix hashes per prompt (x64 tokens)")
+    ap.add_argument("--sessions", type=int, default=400, help="conversations in the warm index")
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--memory-blocks", type=int, default=1 << 20)
+    args = ap.parse_args(argv)
+    print(
+        f"per-request select + on_dispatch, {args.replicas} replicas, {args.hashes} hashes "
+        f"({args.hashes * 64} tokens), {args.sessions} warm conversations, microseconds"
+    )
+    print(
+        f"{'policy':<12} {'warm mean':>10} {'p50':>8} {'p99':>8}   {'cold mean':>10} {'p50':>8} {'p99':>8}"
+    )
+    for name in POLICIES:
+        res = bench_policy(name, args.replicas, args.hashes, args.sessions, args.requests)
+        w, c = res["warm"], res["cold"]
+        print(
+            f"{name:<12} {w[0]:>10.1f} {w[1]:>8.1f} {w[2]:>8.1f}   {c[0]:>10.1f} {c[1]:>8.1f} {c[2]:>8.1f}"
+        )
+    for copies in (1, 2):
+        per_block, per_holding = bench_memory(
+            args.memory_blocks, args.hashes, args.replicas, copies
+        )
+        print(
+            f"index memory, {args.memory_blocks} distinct blocks held by {copies} replica(s) each: "
+            f"{per_block:.0f} B/block -> {per_block:.0f} MB per million blocks "
+            f"({per_holding:.0f} B per replica-block)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""The ``cache_aware`` policy: predicted TTFT, bounded load, rendezvous ties, learning from outcomes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from policies import (
+    ClusterView,
+    Outcome,
+    PolicyDeps,
+    PrefixIndex,
+    ReplicaState,
+    RequestFeatures,
+    default_registry,
+)
+from policies.errors import NoReplicaError
+from policies.hashing import chain_hashes
+from policies.sessions import SessionTable
+
+TPH = 64  # tokens per hash; with the default 0.1 ms/token one block of prefill is 6.4 ms
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def doc(name: str, n: int) -> tuple[int, ...]:
+    return tuple(chain_hashes([f"{name}{i}".encode() for i in range(n)], 5))
+
+
+def view(*loads: int, ids: list[str] | None = None) -> ClusterView:
+    ids = ids or [f"r{i}" for i in range(len(loads))]
+    return ClusterView(
+        tuple(ReplicaState(rid, in_flight=x) for rid, x in zip(ids, loads, strict=True))
+    )
+
+
+def feat(hashes: tuple[int, ...], session: str | None = None, model: str = "m") -> RequestFeatures:
+    return RequestFeatures(model, hashes, TPH, len(hashes) * TPH, 0, session)
+
+
+@pytest.fixture
+def deps() -> PolicyDeps:
+    clock = FakeClock()
+    return PolicyDeps(clock=clock, index=PrefixIndex(), sessions=SessionTable(clock=clock))
+
+
+def build(deps: PolicyDeps | None, **params: object):
+    return default_registry().build("cache_aware", params, deps)
+
+
+def route(pol, req: RequestFeatures, v: ClusterView):
+    d = pol.select(req, v)
+    pol.on_dispatch(req, d, v)
+    return d
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def test_prefix_holder_wins_at_equal_load(deps: PolicyDeps) -> None:
+    deps.index.insert("r2", doc("a", 50))
+    d = build(deps).select(feat(doc("a", 60)), view(0, 0, 0, 0))
+    assert d.replica == "r2"
+    assert d.reason == "prefix-hit"
+    assert d.predicted_cached_tokens == 50 * TPH
+    assert d.scores["prefill_ms"] == pytest.approx(10 * TPH * 0.1)
+    assert d.scores["matched_blocks"] == 50
+
+
+def test_queue_model_charges_only_past_max_running(deps: PolicyDeps) -> None:
+    pol = build(
+        deps, max_running=4, avg_output_tokens=16, decode_ms_per_token=20, busy_ms_per_request=2
+    )
+    # Below 4 in flight only interference; past it each request ahead costs 16 * 20 / 4 = 80 ms.
+    assert [pol.queue_ms(x) for x in (0, 2, 3, 4, 6)] == [0, 4, 6, 8 + 80, 12 + 240]
+    assert pol.queue_ms(2, waiting=2) == 4 + 160  # the engine says it is queueing
+
+
+def test_engine_reported_waiting_counts_as_queue(deps: PolicyDeps) -> None:
+    deps.index.insert("r0", doc("w", 20))  # saves 128 ms
+    pol = build(deps, load_slack=100)
+    busy = ClusterView((ReplicaState("r0", running=3, waiting=3), ReplicaState("r1", in_flight=3)))
+    d = pol.select(feat(doc("w", 20)), busy)
+    assert d.replica == "r1" and d.reason == "load-fallback"
+    assert pol.select(feat(doc("w", 20)), view(6, 3)).replica == "r0"  # same load, no queue
+
+
+def test_queue_delay_is_traded_against_prefill_saved(deps: PolicyDeps) -> None:
+    deps.index.insert("r1", doc("small", 10))  # saves 64 ms
+    deps.index.insert("r2", doc("big", 100))  # saves 640 ms
+    # Take the bound and interference out: a request beyond the 4 slots costs 80 ms.
+    pol = build(deps, load_slack=100, max_running=4, avg_output_tokens=16, busy_ms_per_request=0)
+    small = pol.select(feat(doc("small", 100)), view(0, 6, 0, 0))  # 3 ahead: 240 ms > 64 saved
+    assert small.replica != "r1" and small.reason == "load-fallback"
+    big = pol.select(feat(doc("big", 100)), view(0, 0, 8, 0))  # 5 ahead: 400 ms < 640 saved
+    assert big.replica == "r2" and big.reason == "prefix-hit"
+    far = pol.select(feat(doc("big", 100)), view(0, 0, 14, 0))  # 11 ahead: 880 ms > 640 saved
+    assert far.replica != "r2"
+
+
+def test_bounded_load_guard_overrides_a_big_hit(deps: PolicyDeps) -> None:
+    deps.index.insert("r0", doc("a", 500))
+    pol = build(deps, load_factor=1.25, load_slack=1)
+    d = pol.select(feat(doc("a", 500)), view(6, 1, 1, 1))  # limit 1.25 * 2.25 + 1 = 3.8
+    assert d.replica != "r0"
+    assert d.reason == "load-fallback"
+    assert d.alternates[-1] == "r0"  # over the bound: last
+    assert pol.select(feat(doc("a", 500)), view(2, 1, 1, 1)).replica == "r0"  # limit 2.56
+
+
+def test_alternates_are_ordered_by_predicted_ttft(deps: PolicyDeps) -> None:
+    d = build(deps, tie_ms=0, load_slack=100).select(feat(doc("x", 4)), view(0, 3, 1, 2))
+    assert d.scores["queue_ms"] == 0
+    assert d.candidates() == ("r0", "r2", "r3", "r1")
+
+
+def test_a_tiny_hit_within_the_tie_window_is_a_tie(deps: PolicyDeps) -> None:
+    deps.index.insert("r3", doc("q", 1))  # 6.4 ms: inside the default 100 ms window
+    picks = Counter()
+    for k in range(200):
+        req = feat(doc("q", 1) + doc(f"tail{k}-", 3), session=f"s{k}")
+        picks[build(deps).select(req, view(0, 0, 0, 0)).replica] += 1
+    assert len(picks) == 4
+
+
+# ---------------------------------------------------------------- ties and spreading
+
+
+def test_cold_prefixes_spread_evenly_and_gateways_agree(deps: PolicyDeps) -> None:
+    a = build(deps)
+    b = build(None)  # another gateway, its own empty state
+    v = view(*[0] * 8)
+    picks = Counter()
+    for k in range(4000):
+        req = feat(doc(f"c{k}-", 8), session=f"user{k}")
+        da, db = a.select(req, v), b.select(req, v)
+        assert da.replica == db.replica
+        assert da.reason == "cold-rendezvous"
+        picks[da.replica] += 1
+    assert len(picks) == 8
+    assert max(picks.values()) < 1.2 * 500 and min(picks.values()) > 0.8 * 500
+
+
+def test_cold_rendezvous_is_stable_when_a_replica_leaves(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    ids = [f"r{i}" for i in range(6)]
+    reqs = [feat(doc(f"k{k}-", 2), session=f"k{k}") for k in range(600)]
+    before = [pol.select(r, view(*[0] * 6, ids=ids)).replica for r in reqs]
+    rest = [i for i in ids if i != "r4"]
+    after = [pol.select(r, view(*[0] * 5, ids=rest)).replica for r in reqs]
+    moved = [i for i, (x, y) in enumerate(zip(before, after, strict=True)) if x != y]
+    assert moved == [i for i, x in enumerate(before) if x == "r4"]
+
+
+def test_misses_do_not_pile_onto_one_replica_at_low_concurrency(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    loads = [0] * 8
+    for k in range(16):  # 16 concurrent cold requests, none finishes
+        d = route(pol, feat(doc(f"m{k}-", 500), session=f"s{k}"), view(*loads))
+        loads[int(d.replica[1:])] += 1
+    assert max(loads) <= 3
+    assert sum(1 for x in loads if x) >= 6
+
+
+def test_a_hot_prefix_is_replicated_instead_of_herding(deps: PolicyDeps) -> None:
+    pol = build(deps, load_factor=1.25, load_slack=1)
+    loads = [0] * 4
+    shared = doc("hot", 400)
+    for k in range(40):  # one long shared document, many users, nothing completes
+        d = route(pol, feat(shared + doc(f"u{k}-", 2), session=f"u{k}"), view(*loads))
+        loads[int(d.replica[1:])] += 1
+        assert max(loads) <= 1.25 * sum(loads) / 4 + 2
+    assert len(deps.index.match(shared)) >= 3  # the document was copied, not herded onto one
+
+
+# ---------------------------------------------------------------- sessions and dispatch
+
+
+def test_conversation_turns_follow_the_cache(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    first = route(pol, feat(doc("chat", 20), session="s1"), view(0, 0, 0, 0))
+    assert first.reason == "cold-rendezvous"
+    assert deps.sessions.peek("s1") == first.replica
+    for turn in range(21, 25):
+        d = route(pol, feat(doc("chat", turn * 2), session="s1"), view(1, 1, 1, 1))
+        assert d.replica == first.replica
+        assert d.reason == "session"
+        assert d.predicted_cached_tokens == (turn * 2 - 2 if turn > 21 else 20) * TPH
+    assert deps.index.match(doc("chat", 48)) == {first.replica: 48}
+
+
+def test_session_binding_breaks_ties_when_the_index_forgot(deps: PolicyDeps) -> None:
+    deps.sessions.bind("s9", "r3")
+    d = build(deps).select(feat(doc("fresh", 5), session="s9"), view(0, 0, 0, 0))
+    assert d.replica == "r3" and d.reason == "session"
+
+
+def test_select_has_no_side_effects(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    for _ in range(3):
+        pol.select(feat(doc("z", 9), session="s"), view(0, 0))
+    assert deps.index.stats()["total_blocks"] == 0
+    assert len(deps.sessions) == 0
+
+
+def test_index_forgets_evicted_prefixes_instead_of_chasing_them(deps: PolicyDeps) -> None:
+    deps.index.set_capacity("r0", 100)
+    pol = build(deps)
+    old = doc("old", 60)
+    deps.index.insert("r0", old)
+    assert pol.select(feat(old), view(0, 0, 0)).replica == "r0"
+    for k in range(3):  # r0 computes other prompts: its engine evicted the old one
+        deps.index.insert("r0", doc(f"new{k}-", 60))
+    assert deps.index.match(old) == {}
+    d = pol.select(feat(old), view(0, 0, 0))
+    assert d.reason == "cold-rendezvous"
+
+
+# ---------------------------------------------------------------- outcomes
+
+
+def test_shortfall_on_old_holdings_shrinks_the_learned_capacity(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    for k in range(10):
+        deps.index.insert("r0", doc(f"d{k}-", 50), now=0.0)
+    deps.clock.t = 60.0  # type: ignore[attr-defined]
+    req = feat(doc("d0-", 50))
+    d = route(pol, req, view(0, 0))
+    assert d.replica == "r0"
+    deps.clock.t = 61.0  # type: ignore[attr-defined]
+    outcome = Outcome(
+        ok=True, cached_tokens=0, latency_s=1.0, predicted_cached_tokens=d.predicted_cached_tokens
+    )
+    pol.on_complete(req, "r0", outcome)
+    assert deps.index.capacity("r0") == int(500 * 0.9)
+    assert deps.index.blocks("r0") <= deps.index.capacity("r0")
+
+
+def test_shortfall_on_a_prefix_still_being_computed_teaches_nothing(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    v = view(0, 0, 0, 0)
+    shared = doc("new-doc", 100)
+    first = feat(shared + doc("a", 1), session="a")
+    second = feat(shared + doc("b", 1), session="b")
+    d1 = route(pol, first, v)
+    deps.clock.t = 0.5  # type: ignore[attr-defined]
+    d2 = route(pol, second, v)  # the first one is still prefilling the document
+    assert d2.replica == d1.replica and d2.predicted_cached_tokens == 100 * TPH
+    deps.clock.t = 3.0  # type: ignore[attr-defined]
+    out = Outcome(ok=True, cached_tokens=0, latency_s=2.5, predicted_cached_tokens=100 * TPH)
+    pol.on_complete(second, d2.replica, out)
+    assert deps.index.capacity(d2.replica) == deps.index.default_capacity
+
+
+def test_learning_can_be_switched_off_and_needs_a_prediction(deps: PolicyDeps) -> None:
+    deps.index.insert("r0", doc("d", 50))
+    req = feat(doc("d", 50))
+    build(deps, learn_capacity=False).on_complete(
+        req, "r0", Outcome(ok=True, cached_tokens=0, predicted_cached_tokens=3200)
+    )
+    build(deps).on_complete(req, "r0", Outcome(ok=True, cached_tokens=0))
+    assert deps.index.capacity("r0") == deps.index.default_capacity
+
+
+def test_failure_before_first_token_forgets_what_was_not_cached(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    deps.index.insert("r1", doc("f", 25))
+    req = feat(doc("f", 30))
+    d = route(pol, req, view(0, 0, 0))
+    assert d.replica == "r1" and deps.index.match(req.prefix_hashes) == {"r1": 30}
+    pol.on_complete(req, "r1", Outcome(ok=False, predicted_cached_tokens=d.predicted_cached_tokens))
+    assert deps.index.match(req.prefix_hashes) == {"r1": 25}
+
+
+def test_unknown_model_raises(deps: PolicyDeps) -> None:
+    v = ClusterView((ReplicaState("r0", models=frozenset({"llama"})),))
+    with pytest.raises(NoReplicaError):
+        build(deps).select(feat(doc("a", 2), model="other"), v)
