@@ -117,3 +117,24 @@ def install_uvloop() -> None:
     except ImportError:  # pragma: no cover - optional speed-up
         return
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def free_port_block(n: int, host: str = "127.0.0.1") -> int:
+    """First of ``n`` consecutive ports that were all free a moment ago."""
+    for _ in range(200):
+        base = free_port(host)
+        if base + n >= 65000:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for i in range(n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports")

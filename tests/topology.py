@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -12,28 +11,7 @@ import httpx
 
 from gateway.config import GatewayConfig, ReplicaConfig
 from gateway.runner import gateway_spec, sim_specs
-from gateway.servers import ServerGroup, free_port
-
-
-def free_port_block(n: int, host: str = "127.0.0.1") -> int:
-    """First of ``n`` consecutive free ports."""
-    for _ in range(200):
-        base = free_port(host)
-        if base + n >= 65000:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind((host, base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
+from gateway.servers import ServerGroup, free_port, free_port_block
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import httpx
 import xxhash
 
-from ..servers import free_port
+from ..servers import free_port, free_port_block
 from .loadgen import Result, percentile, run_workload
 from .procs import Proc, find_tool
 from .tables import markdown_table, replace_block
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         workload = _scaled(wname, args.scale)
         fp = footprint(workload)
         cache_blocks = max(16, int(fp.distinct_blocks * args.cache_fraction))
-        first = free_port()
+        first = free_port_block(args.replicas)
         sims = Proc("sims", [
             sys.executable, "-m", "gateway.cli", "sim", "--replicas", str(args.replicas), "--port", str(first),
             "--cache-blocks", str(cache_blocks), "--max-running", str(args.max_running),
@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         with sims.start(timeout=60, log_dir=log_dir):
             for name in targets:
                 rows.append(run_target(name, workload, urls, sim_args, fp.ideal_hit_rate, log_dir))
+        write_report(rows, args, final=False)  # keep what was measured if a later workload fails
     write_report(rows, args)
     return 0
 
@@ -221,14 +222,15 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
              f"{r.throughput_rps:.1f}", f"{r.max_over_mean_load:.2f}", str(r.failures)] for r in rows]
 
 
-def write_report(rows: list[Row], args: argparse.Namespace) -> None:
+def write_report(rows: list[Row], args: argparse.Namespace, final: bool = True) -> None:
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     setup = (f"{args.replicas} simulated replicas, {args.prefill_ms_per_token} ms/prefill token, "
              f"{args.decode_ms_per_token} ms/decode token, {args.max_running} running, cache per replica = "
              f"{args.cache_fraction:.2f} of the workload's distinct blocks; {stamp}")
     md = f"Routing quality ({setup}):\n\n" + markdown_table(HEADERS, table_rows(rows)) + "\n"
-    print(md)
+    if final:
+        print(md)
     with open(os.path.join(args.out, "routing.md"), "w") as fh:
         fh.write(md)
     with open(os.path.join(args.out, "routing.json"), "w") as fh:
@@ -236,7 +238,7 @@ def write_report(rows: list[Row], args: argparse.Namespace) -> None:
     png = os.path.join(args.out, "routing.png")
     if plot(rows, png):
         md += f"\n![routing benchmark]({os.path.relpath(png, os.path.dirname(args.readme) or '.') if args.readme else png})\n"
-    if args.readme:
+    if args.readme and final:
         replace_block(args.readme, "routing", md)
 
 

@@ -60,7 +60,7 @@ def _zipf_weights(n: int, s: float) -> list[float]:
 
 def shared_prefix(
     *, groups: int = 24, prompts_per_group: int = 32, system_words: int = 1200, question_words: int = 24,
-    rate: float = 24.0, requests: int = 480, zipf: float = 0.8, max_tokens: int = 16, seed: int = 1,
+    rate: float = 32.0, requests: int = 640, zipf: float = 0.8, max_tokens: int = 32, seed: int = 1,
 ) -> Workload:
     rng = random.Random(seed)
     systems = [f"[group {g}] " + _text(rng, system_words) for g in range(groups)]
@@ -81,7 +81,7 @@ def shared_prefix(
 
 def multi_turn(
     *, sessions: int = 48, turns: int = 8, system_words: int = 300, user_words: int = 60,
-    rate: float = 16.0, requests: int = 320, zipf: float = 0.6, max_tokens: int = 24, seed: int = 2,
+    rate: float = 24.0, requests: int = 480, zipf: float = 0.6, max_tokens: int = 32, seed: int = 2,
 ) -> Workload:
     rng = random.Random(seed)
     weights = _zipf_weights(sessions, zipf)
