@@ -1,0 +1,360 @@
+"""Transfer benchmark: tier moves and transports against the machine's own limits, same run.
+
+    python -m worker_agent.bench_transfer [--block-mib 2] [--total-mib 256] [--rounds 3]
+
+Rows (each the median of ``--rounds`` timed rounds after one warm-up round):
+
+* memcpy            ``dst.copy_(src)`` into preallocated tensors: the baseline of the tier rows
+* tier host copy    ``MemoryTier.store`` of a block it must copy (what a GPU->CPU demotion does
+                    on the host side; pinned memory when CUDA is present)
+* tier CPU->disk    ``KVBlockStore.move`` to the disk tier (atomic file write; the checksum is
+                    computed once per block and cached, so timed rounds reuse it)
+* tier disk->CPU    ``KVBlockStore.move`` back (file read + checksum verify + unlink)
+* raw file write/read  the same bytes with bare os.write / os.readv, one file per block
+* raw loopback      two processes, ``sock_sendall`` / ``sock_recv_into`` of the same bytes into a
+                    reused buffer, no framing: the baseline of the TCP rows ("distinct memory":
+                    received into one buffer per byte, as blocks are; a second reference)
+* tcp fetch / push  ``TcpTransport`` against a ``TcpBlockServer`` in another process; push sends
+                    blocks with known checksums (as ``KVBlockStore.export`` gives them), "hash on
+                    send" hashes them first
+* gloo raw / blocks one ``dist.send`` of all the bytes vs ``DistTransport.send_blocks``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from .blockfmt import Block, checksum, payload_view
+from .store import KVBlockStore
+from .tiers import BlockMeta, DiskTier, MemoryTier, cuda_available, tune_host_allocator
+
+GOALS = {"tier": 0.70, "tcp": 0.80}
+
+
+def make_blocks(n: int, block_bytes: int, seed: int = 0) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    numel = block_bytes // 2
+    heads, dim = 8, 128
+    layers = max(1, numel // (2 * 16 * heads * dim))
+    shape = (layers, 2, 16, heads, dim)
+    return {
+        (seed << 32) + i + 1: torch.randn(shape, generator=g).to(torch.float16) for i in range(n)
+    }
+
+
+# -- tiers -------------------------------------------------------------------------------------
+class Rounds:
+    """Interleaves several measurements round by round (machine noise hits them alike)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+
+    def time(self, name: str, fn: Callable[[], object], record: bool) -> None:
+        t0 = time.perf_counter()
+        fn()
+        if record:
+            self.times.setdefault(name, []).append(time.perf_counter() - t0)
+
+    def medians(self) -> dict[str, float]:
+        return {k: statistics.median(v) for k, v in self.times.items()}
+
+
+def _raw_write(directory: str, views: list[memoryview]) -> None:
+    for i, view in enumerate(views):
+        tmp, final = f"{directory}/{i}.tmp", f"{directory}/{i}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, view)
+        os.close(fd)
+        os.replace(tmp, final)
+
+
+def _raw_read(directory: str, n: int, nbytes: int) -> list[torch.Tensor]:
+    out = []
+    for i in range(n):
+        fd = os.open(f"{directory}/{i}", os.O_RDONLY)
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        os.readv(fd, [memoryview(t.numpy())])
+        os.close(fd)
+        out.append(t)
+    return out
+
+
+def bench_tiers(blocks: dict[int, torch.Tensor], rounds: int, disk_dir: str) -> dict[str, float]:
+    srcs = list(blocks.values())
+    dsts = [torch.empty_like(t) for t in srcs]
+    views = [payload_view(t) for t in srcs]
+    raw_dir = os.path.join(disk_dir, "raw")
+    os.mkdir(raw_dir)
+    tier = MemoryTier("CPU", "cpu", 1 << 62)
+    meta = BlockMeta()
+    store = KVBlockStore([MemoryTier("CPU", "cpu", 1 << 62), DiskTier(disk_dir, 1 << 62)])
+    for k, t in blocks.items():
+        store.put(k, t)
+    r = Rounds()
+    for i in range(rounds + 1):
+        rec = i > 0
+        r.time("memcpy", lambda: [d.copy_(s) for d, s in zip(dsts, srcs, strict=True)], rec)
+        r.time(
+            "tier host copy",
+            lambda: [tier.store(k, t, meta, owned=False) for k, t in blocks.items()],
+            rec,
+        )
+        for k in blocks:
+            tier.delete(k)
+        r.time("raw file write", lambda: _raw_write(raw_dir, views), rec)
+        r.time("tier CPU->disk", lambda: [store.move(k, 1) for k in blocks], rec)
+        r.time("raw file read", lambda: _raw_read(raw_dir, len(views), len(views[0])), rec)
+        r.time("tier disk->CPU", lambda: [store.move(k, 0) for k in blocks], rec)
+        for j in range(len(views)):
+            os.unlink(f"{raw_dir}/{j}")
+    store.clear()
+    store.close()
+    return r.medians()
+
+
+# -- TCP ---------------------------------------------------------------------------------------
+def _raw_peer(port_q, total: int, chunk: int, tune: bool) -> None:
+    """Per request byte: b"g" -> send ``total`` bytes; b"p" -> receive ``total`` bytes, ack."""
+    if tune:
+        tune_host_allocator()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        ls = socket.create_server(("127.0.0.1", 0))
+        ls.setblocking(False)
+        port_q.put(ls.getsockname()[1])
+        conn, _ = await loop.sock_accept(ls)
+        conn.setblocking(False)
+        buf = memoryview(bytearray(chunk))
+        while await loop.sock_recv_into(conn, buf[:1]):
+            if buf[0] == ord("g"):
+                for _ in range(total // chunk):
+                    await loop.sock_sendall(conn, buf)
+            else:
+                got = 0
+                while got < total:
+                    got += await loop.sock_recv_into(conn, buf)
+                await loop.sock_sendall(conn, b"k")
+
+    asyncio.run(main())
+
+
+def _block_peer(port_q, n: int, block_bytes: int, tune: bool) -> None:
+    from .transport.tcp import TcpBlockServer
+
+    if tune:
+        tune_host_allocator()
+
+    async def main() -> None:
+        store = KVBlockStore.create(gpu_bytes=3 * n * block_bytes, cpu_bytes=0, gpu_device="cpu")
+        for k, t in make_blocks(n, block_bytes).items():
+            store.put(k, t)
+        async with TcpBlockServer(store, chunk_bytes=32 << 20) as server:
+            port_q.put(server.port)
+            await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def _spawn(target, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=target, args=(q, *args), daemon=True)
+    proc.start()
+    return proc, q.get(timeout=120)
+
+
+async def _raw_round(sock: socket.socket, buf: memoryview, total: int, op: bytes) -> None:
+    """b"g": receive ``total`` bytes into ``buf`` (wrapping when it is smaller); b"p": send."""
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(sock, op)
+    if op == b"g":
+        got = 0
+        while got < total:
+            pos = got % len(buf)
+            got += await loop.sock_recv_into(sock, buf[pos : pos + total - got])
+    else:
+        for _ in range(total // len(buf)):
+            await loop.sock_sendall(sock, buf)
+        await loop.sock_recv_into(sock, buf[:1])
+
+
+async def _tcp_rounds(raw_port: int, blk_port: int, blocks: dict, rounds: int) -> dict:
+    from .transport.tcp import TcpTransport
+
+    loop = asyncio.get_running_loop()
+    sock = socket.create_connection(("127.0.0.1", raw_port))
+    sock.setblocking(False)
+    chunk = next(iter(blocks.values())).nbytes
+    total = chunk * len(blocks)
+    buf = memoryview(bytearray(chunk))
+    region = torch.zeros(total, dtype=torch.uint8)  # distinct memory for every byte, like blocks
+    region_view = memoryview(region.numpy())
+    client = TcpTransport(timeout=120)
+    trusting = TcpTransport(timeout=120, verify=False)
+    peer = ("127.0.0.1", blk_port)
+    keys = list(blocks)
+    items = [Block(k, t) for k, t in blocks.items()]
+    known = [Block(k, t, checksum=checksum(payload_view(t))) for k, t in blocks.items()]
+    times: dict[str, list[float]] = {}
+
+    async def timed_async(name: str, coro, rec: bool):
+        t0 = loop.time()
+        result = await coro
+        if rec:
+            times.setdefault(name, []).append(loop.time() - t0)
+        return result
+
+    for i in range(rounds + 1):
+        rec = i > 0
+        await timed_async("raw loopback peer->us", _raw_round(sock, buf, total, b"g"), rec)
+        await timed_async(
+            "raw ... distinct memory", _raw_round(sock, region_view, total, b"g"), rec
+        )
+        got = await timed_async("tcp fetch", client.fetch(peer, keys), rec)
+        assert len(got) == len(keys)
+        del got
+        got = await timed_async("tcp fetch, verify off", trusting.fetch(peer, keys), rec)
+        del got
+        await timed_async("raw loopback us->peer", _raw_round(sock, buf, total, b"p"), rec)
+        await timed_async("tcp push", client.push(peer, known), rec)
+        await timed_async("tcp push, hash on send", client.push(peer, items), rec)
+    sock.close()
+    await client.close()
+    await trusting.close()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_tcp(blocks: dict, block_bytes: int, rounds: int, tune: bool) -> dict[str, float]:
+    raw, raw_port = _spawn(_raw_peer, len(blocks) * block_bytes, block_bytes, tune)
+    blk, blk_port = _spawn(_block_peer, len(blocks), block_bytes, tune)
+    try:
+        return asyncio.run(_tcp_rounds(raw_port, blk_port, blocks, rounds))
+    finally:
+        raw.kill()
+        blk.kill()
+
+
+# -- gloo --------------------------------------------------------------------------------------
+def _gloo_worker(rank: int, port: int, n: int, block_bytes: int, rounds: int, tune: bool, q):
+    import torch.distributed as dist
+
+    from .transport.dist import DistTransport, init_process_group
+
+    if tune:
+        tune_host_allocator()
+    init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, 2)
+    transport = DistTransport()
+    blocks = [Block(k, t) for k, t in make_blocks(n, block_bytes).items()]
+    flat = torch.empty(n * block_bytes, dtype=torch.uint8)
+    raw_t, blk_t = [], []
+    for r in range(rounds + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(flat, 1)
+        else:
+            dist.recv(flat, 0)
+        t1 = time.perf_counter()
+        dist.barrier()
+        t2 = time.perf_counter()
+        if rank == 0:
+            transport.send_blocks(1, blocks)
+        else:
+            assert len(transport.recv_blocks(0)) == n
+        t3 = time.perf_counter()
+        if r:
+            raw_t.append(t1 - t0)
+            blk_t.append(t3 - t2)
+    if rank == 1:
+        q.put((statistics.median(raw_t), statistics.median(blk_t)))
+    dist.destroy_process_group()
+
+
+def bench_gloo(n: int, block_bytes: int, rounds: int, tune: bool) -> dict[str, float]:
+    import torch.multiprocessing as tmp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = mp.get_context("spawn").SimpleQueue()
+    tmp.spawn(_gloo_worker, args=(port, n, block_bytes, rounds, tune, q), nprocs=2, join=True)
+    raw, blk = q.get()
+    return {"gloo raw send": raw, "gloo blocks": blk}
+
+
+# -- report ------------------------------------------------------------------------------------
+# row -> (baseline row, goal kind or None, second baseline row or None)
+BASELINES = {
+    "tier host copy": ("memcpy", "tier", None),
+    "tier CPU->disk": ("memcpy", "tier", "raw file write"),
+    "tier disk->CPU": ("memcpy", "tier", "raw file read"),
+    "tcp fetch": ("raw loopback peer->us", "tcp", "raw ... distinct memory"),
+    "tcp fetch, verify off": ("raw loopback peer->us", None, "raw ... distinct memory"),
+    "tcp push": ("raw loopback us->peer", "tcp", None),
+    "tcp push, hash on send": ("raw loopback us->peer", "tcp", None),
+    "gloo blocks": ("gloo raw send", None, None),
+}
+
+
+def report(results: dict[str, float], total: int) -> str:
+    lines = [f"{'path':24s} {'GB/s':>6s}  {'ratio':>5s}  vs (goal)", "-" * 78]
+    for name, secs in results.items():
+        note = ""
+        if name in BASELINES:
+            base, kind, other = BASELINES[name]
+            r = results[base] / secs
+            note = f"{r:5.2f}  vs {base}"
+            if kind:
+                note += f" (>= {GOALS[kind]:.2f}: {'ok' if r >= GOALS[kind] else 'below'})"
+            if other in results:
+                note += f"; {results[other] / secs:.2f} vs {other}"
+        lines.append(f"{name:24s} {total / secs / 1e9:6.2f}  {note}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--block-mib", type=float, default=2.0)
+    ap.add_argument("--total-mib", type=float, default=256.0)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--disk-dir", default=None, help="directory for the disk tier (default: tmp)")
+    ap.add_argument("--skip", action="append", default=[], choices=["tier", "tcp", "gloo"])
+    ap.add_argument(
+        "--no-malloc-tune", action="store_true", help="leave glibc's trim/mmap thresholds alone"
+    )
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    tune = not args.no_malloc_tune and tune_host_allocator()
+    block_bytes = int(args.block_mib * 2**20)
+    blocks = make_blocks(max(1, int(args.total_mib * 2**20) // block_bytes), block_bytes)
+    block_bytes = next(iter(blocks.values())).nbytes
+    total = len(blocks) * block_bytes
+    print(
+        f"{len(blocks)} blocks x {block_bytes / 2**20:.2f} MiB, {args.rounds} rounds (median), "
+        f"cuda={cuda_available()}, cpus={os.cpu_count()}, malloc tuned={tune}, "
+        f"torch {torch.__version__}"
+    )
+    results: dict[str, float] = {}
+    if "tier" not in args.skip:
+        with tempfile.TemporaryDirectory(dir=args.disk_dir) as d:
+            results.update(bench_tiers(blocks, args.rounds, d))
+    if "tcp" not in args.skip:
+        results.update(bench_tcp(blocks, block_bytes, args.rounds, tune))
+    if "gloo" not in args.skip:
+        results.update(bench_gloo(len(blocks), block_bytes, args.rounds, tune))
+    print(report(results, total))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""Tiered KV block store: LRU placement over GPU -> CPU -> disk tiers, with KV events.
+
+``KVBlockStore`` executes the plans of ``placement.Placement`` (pure bookkeeping) against physical
+tiers (``tiers.MemoryTier`` / ``tiers.DiskTier``): demotion under pressure (GPU -> CPU -> disk ->
+dropped), promotion to the top tier on a hit, explicit moves.  Blocks are keyed by their chained
+block hash (``policies.hashing``), which already includes the model/LoRA salt.
+
+Contracts.
+* ``put`` copies the caller's tensor unless ``copy=False``, which hands the tensor over (the
+  store may keep it as is; the caller must not modify it afterwards).
+* Tensors returned by ``get`` / ``get_prefix`` / ``export`` belong to the store: read, never write.
+  They stay valid after the block moves or leaves (the store drops its reference, nothing more).
+* Chains: ``put_blocks`` and ``get_prefix`` touch blocks from the last to the first, so a prefix's
+  root is the most recently used and its tail is demoted first (a tail is useless without its root).
+* Every public operation reports its state changes once, in order, to ``on_events`` as a list of
+  ``events.BlockStored`` / ``events.BlockRemoved`` (coalesced).  The callback runs under the store
+  lock: it must be quick (enqueue) and must not call the store.
+* A block whose disk copy is unreadable or corrupt is dropped (``stats.lost``) and reads as a miss.
+* Thread-safe: one lock around every public method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .blockfmt import DTYPE_CODES, MAX_DIMS, Block, BlockHeader, checksum, header_for, payload_view
+from .errors import AgentError
+from .events import BlockRemoved, BlockStored, Event, coalesce
+from .placement import Placement, PlacementStats, Step, StepKind, TierCounters
+from .tiers import BlockMeta, Copier, DiskTier, MemoryTier, cuda_available
+
+log = logging.getLogger(__name__)
+
+Tier = MemoryTier | DiskTier
+EventSink = Callable[[list[Event]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    mediums: tuple[str, ...]
+    tiers: tuple[TierCounters, ...]
+    misses: int
+    stored: int
+    removed: int
+    lost: int
+    rejected: int
+
+    @property
+    def blocks(self) -> int:
+        return sum(t.blocks for t in self.tiers)
+
+
+class KVBlockStore:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        on_events: EventSink | None = None,
+        scan: int = 1,
+    ) -> None:
+        self.tiers: list[Tier] = list(tiers)
+        self.placement = Placement(
+            [t.capacity for t in self.tiers], [t.overhead for t in self.tiers], scan=scan
+        )
+        self._meta: dict[int, BlockMeta] = {}
+        self._on_events = on_events
+        self._lock = threading.RLock()
+        self._pin_landing = any(getattr(t, "pinned", False) for t in self.tiers)
+        for index, tier in enumerate(self.tiers):
+            for key, nbytes, parent in tier.scan():
+                if key in self.placement or not self._fits_now(index, nbytes):
+                    tier.delete(key)
+                    continue
+                self.placement.adopt(key, nbytes, index)
+                self._meta[key] = BlockMeta(parent=parent)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        gpu_bytes: int,
+        cpu_bytes: int,
+        disk_bytes: int = 0,
+        disk_dir: str | None = None,
+        gpu_device: str | torch.device | None = None,
+        on_events: EventSink | None = None,
+        scan: int = 1,
+    ) -> KVBlockStore:
+        """The usual stack: "GPU" (``cuda`` when present; ``gpu_device`` overrides, e.g. "cpu"
+        in tests), "CPU" (pinned when CUDA is present) and, with ``disk_dir``, "DISK"."""
+        device = gpu_device or ("cuda" if cuda_available() else "cpu")
+        copier = Copier()
+        tiers: list[Tier] = [
+            MemoryTier("GPU", device, gpu_bytes, copier=copier),
+            MemoryTier("CPU", "cpu", cpu_bytes, copier=copier),
+        ]
+        if disk_dir is not None:
+            tiers.append(DiskTier(disk_dir, disk_bytes, pin=cuda_available()))
+        return cls(tiers, on_events=on_events, scan=scan)
+
+    # -- writes --------------------------------------------------------------------------------
+    def put(
+        self,
+        key: int,
+        tensor: torch.Tensor,
+        *,
+        parent: int | None = None,
+        token_ids: Sequence[int] = (),
+        tier: int = 0,
+        copy: bool = True,
+        checksum: int | None = None,
+    ) -> bool:
+        """Store a block (in ``tier`` or the first lower tier that can hold it); False if present.
+
+        ``checksum``: the payload's known xxh3_64 (e.g. verified on receipt), trusted as is.
+        """
+        with self._lock:
+            events: list[Event] = []
+            meta = BlockMeta(parent, tuple(token_ids), 0, checksum)
+            new = self._put(key, tensor, meta, tier, copy, events)
+            self._emit(events)
+            return new
+
+    def put_blocks(
+        self,
+        blocks: Sequence[Block],
+        *,
+        token_ids: Sequence[Sequence[int]] | None = None,
+        tier: int = 0,
+        copy: bool = True,
+    ) -> int:
+        """Store a chain (block i's parent defaults to block i-1); returns how many were new."""
+        with self._lock:
+            events: list[Event] = []
+            new = 0
+            for i in reversed(range(len(blocks))):
+                b = blocks[i]
+                parent = blocks[i - 1].key if b.parent is None and i > 0 else b.parent
+                toks = tuple(token_ids[i]) if token_ids is not None else ()
+                meta = BlockMeta(parent, toks, 0, b.checksum)
+                new += self._put(b.key, b.tensor, meta, tier, copy, events)
+            self._emit(events)
+            return new
+
+    def move(self, key: int, tier: int) -> bool:
+        """Move a block to ``tier`` explicitly (e.g. offload); False if absent or lost."""
+        with self._lock:
+            if key not in self.placement:
+                return False
+            events: list[Event] = []
+            self._execute(self.placement.plan_move(key, tier), {}, True, events)
+            self._emit(events)
+            return key in self.placement
+
+    def remove(self, key: int) -> bool:
+        with self._lock:
+            tier = self.placement.remove(key)
+            if tier is None:
+                return False
+            self.tiers[tier].delete(key)
+            self._meta.pop(key, None)
+            self._emit([BlockRemoved((key,), self.tiers[tier].medium)])
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            events: list[Event] = []
+            for index, tier in enumerate(self.tiers):
+                for key in self.placement.keys(index):
+                    self.placement.remove(key)
+                    tier.delete(key)
+                    self._meta.pop(key, None)
+                    events.append(BlockRemoved((key,), tier.medium))
+            self._emit(events)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get(self, key: int) -> torch.Tensor | None:
+        """The block (promoted to the top tier on a hit), or None on a miss."""
+        with self._lock:
+            events: list[Event] = []
+            out = self._get(key, events)
+            self._emit(events)
+            return out
+
+    def get_prefix(self, keys: Sequence[int]) -> list[torch.Tensor]:
+        """Tensors of the longest run of ``keys`` present from the start, each promoted."""
+        with self._lock:
+            events: list[Event] = []
+            n = self._prefix_len(keys)
+            found = [self._get(k, events) for k in reversed(keys[:n])][::-1]
+            self._emit(events)
+            run = next((i for i, t in enumerate(found) if t is None), n)
+            return found[:run]  # type: ignore[return-value]
+
+    def contains_prefix(self, keys: Sequence[int]) -> int:
+        """How many of ``keys``, from the start, the store holds (any tier; no side effects)."""
+        with self._lock:
+            return self._prefix_len(keys)
+
+    def locate(self, keys: Iterable[int]) -> list[int | None]:
+        """Tier index of each key (None when absent); no side effects."""
+        with self._lock:
+            return [self.placement.tier_of(k) for k in keys]
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.placement
+
+    def __len__(self) -> int:
+        return len(self.placement)
+
+    def export(self, key: int) -> tuple[BlockHeader, torch.Tensor] | None:
+        """A host copy-or-view of a block with its checksummed header, for sending to a peer.
+
+        Does not promote (serving a peer is not a local hit) but refreshes the block's recency.
+        """
+        with self._lock:
+            tier = self.placement.tier_of(key)
+            if tier is None:
+                return None
+            meta = self._meta[key]
+            try:
+                tensor = self.tiers[tier].load(key, host=True)
+            except (OSError, AgentError) as exc:
+                events: list[Event] = []
+                self._lose(key, exc, events)
+                self._emit(events)
+                return None
+            host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+            if meta.checksum is None:
+                meta.checksum = checksum(payload_view(host))
+            self.placement.touch(key)
+            return header_for(key, host, parent=meta.parent, csum=meta.checksum), host
+
+    def landing(self, nbytes: int) -> torch.Tensor:
+        """A host buffer for receiving a block that ``put(copy=False)`` can then keep as is."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin_landing)
+
+    def close(self) -> None:
+        """Release the memory tiers; blocks on disk stay for a reopen.  Do not use it afterwards."""
+        with self._lock:
+            for tier in self.tiers:
+                tier.close()
+
+    def __enter__(self) -> KVBlockStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- introspection -------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        with self._lock:
+            s: PlacementStats = self.placement.stats
+            return StoreStats(
+                tuple(t.medium for t in self.tiers),
+                tuple(dataclasses.replace(c) for c in s.tiers),
+                s.misses, s.stored, s.removed, s.lost, s.rejected,
+            )  # fmt: skip
+
+    def physical(self) -> list[tuple[int, int]]:
+        """(blocks, bytes) per tier counted from the tiers themselves."""
+        with self._lock:
+            return [t.held() for t in self.tiers]
+
+    def hottest(self, n: int) -> list[int]:
+        with self._lock:
+            return self.placement.hottest(n)
+
+    def snapshot_events(self) -> list[Event]:
+        """BlockStored events describing everything held (for a publisher's resync)."""
+        with self._lock:
+            events: list[Event] = []
+            for index, tier in enumerate(self.tiers):
+                events.extend(self._stored(k, tier.medium) for k in self.placement.keys(index))
+            return coalesce(events)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _fits_now(self, tier: int, nbytes: int) -> bool:
+        p = self.placement
+        return p.stats.tiers[tier].bytes + p.charge(tier, nbytes) <= p.capacities[tier]
+
+    def _prefix_len(self, keys: Sequence[int]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.placement:
+                break
+            n += 1
+        return n
+
+    def _put(self, key, tensor, meta: BlockMeta, tier, copy, events) -> bool:
+        if key in self.placement:
+            self.placement.touch(key)
+            return False
+        if tensor.dtype not in DTYPE_CODES or tensor.dim() > MAX_DIMS:
+            raise ValueError(f"unsupported block: dtype {tensor.dtype}, {tensor.dim()} dims")
+        steps = self.placement.plan_put(key, tensor.nbytes, tier)
+        meta.block_size = len(meta.token_ids) or (tensor.shape[2] if tensor.dim() == 5 else 0)
+        self._meta[key] = meta
+        self._execute(steps, {key: tensor}, not copy, events)
+        return key in self.placement
+
+    def _get(self, key: int, events: list[Event]) -> torch.Tensor | None:
+        tier = self.placement.tier_of(key)
+        if tier is None:
+            self.placement.plan_get(key)  # counts the miss
+            return None
+        try:
+            tensor = self.tiers[tier].load(key)  # read (and verify) before deciding anything
+        except (OSError, AgentError) as exc:
+            self._lose(key, exc, events)
+            self.placement.stats.misses += 1
+            return None
+        _, steps = self.placement.plan_get(key)
+        if not steps:
+            return tensor
+        self._execute(steps, {key: tensor}, True, events)
+        where = self.placement.tier_of(key)
+        return self.tiers[where].load(key) if where is not None else tensor
+
+    def _execute(self, steps: list[Step], staged: dict, owned: bool, events: list[Event]) -> None:
+        failed: set[int] = set()
+        for kind, key, src, dst in steps:
+            if key in failed:
+                continue
+            try:
+                if kind is StepKind.TAKE:
+                    if key not in staged:
+                        staged[key] = self.tiers[src].load(key)
+                    self.tiers[src].delete(key)
+                    events.append(BlockRemoved((key,), self.tiers[src].medium))
+                elif kind is StepKind.MOVE:
+                    tensor = self.tiers[src].load(key)
+                    self.tiers[dst].store(key, tensor, self._meta[key], owned=True)
+                    self.tiers[src].delete(key)
+                    events.append(BlockRemoved((key,), self.tiers[src].medium))
+                    events.append(self._stored(key, self.tiers[dst].medium))
+                elif kind is StepKind.DROP:
+                    self.tiers[src].delete(key)
+                    self._meta.pop(key, None)
+                    events.append(BlockRemoved((key,), self.tiers[src].medium))
+                else:
+                    self.tiers[dst].store(key, staged.pop(key), self._meta[key], owned=owned)
+                    events.append(self._stored(key, self.tiers[dst].medium))
+            except (OSError, AgentError) as exc:
+                failed.add(key)
+                self._lose(key, exc, events)
+
+    def _lose(self, key: int, exc: BaseException, events: list[Event]) -> None:
+        log.warning("dropping block %016x: %s", key, exc)
+        self.placement.forget(key)
+        self._meta.pop(key, None)
+        for tier in self.tiers:
+            if key in tier:
+                tier.delete(key)
+                events.append(BlockRemoved((key,), tier.medium))
+
+    def _stored(self, key: int, medium: str) -> BlockStored:
+        meta = self._meta[key]
+        return BlockStored((key,), meta.parent, meta.token_ids, meta.block_size, medium)
+
+    def _emit(self, events: list[Event]) -> None:
+        if events and self._on_events is not None:
+            self._on_events(coalesce(events))

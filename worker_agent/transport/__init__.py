@@ -1,0 +1,1 @@
+"""Block transports between agents, behind one interface (``base.BlockTransport``)."""

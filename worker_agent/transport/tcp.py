@@ -1,0 +1,293 @@
+"""TCP block transport: client (``TcpTransport``) and server (``TcpBlockServer``).
+
+Protocol: ``framing`` (length-framed messages, self-delimiting ``blockfmt`` blocks with an
+xxh3_64 checksum each).  Why raw sockets and not ``asyncio`` streams: ``StreamWriter.write`` (3.11)
+copies whatever the kernel does not take at once into its own buffer, and ``StreamReader`` hands
+out new ``bytes``; here sends are ``sendmsg`` of memoryviews of the tensors' own storage (header and
+payload in one vectored call) and receives are ``recv_into`` the destination tensor, in chunks of
+``recv_chunk`` bytes that are hashed while still in cache.  Backpressure is the kernel's: a send
+waits for writability before continuing.  Every exchange runs under a timeout; a connection that
+failed or timed out is closed, never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Sequence
+
+from ..blockfmt import Block
+from ..errors import (
+    AgentError,
+    PeerGone,
+    ProtocolError,
+    RemoteError,
+    TransferTimeout,
+)
+from .framing import FLAG_PREFIX, Frame, Op, error_message, fetch_message, pack_frame, unpack_keys
+from .sockio import (
+    Alloc,
+    BlockReceiver,
+    Peer,
+    SocketStream,
+    default_alloc,
+    host_item,
+    parse_peer,
+    send_blocks,
+    tune,
+)
+
+log = logging.getLogger(__name__)
+
+
+class TcpTransport:
+    """Client side: ``fetch`` blocks from / ``push`` blocks to a peer's ``TcpBlockServer``."""
+
+    def __init__(
+        self,
+        *,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        verify: bool = True,
+        alloc: Alloc = default_alloc,
+        sock_buf: int | None = None,
+        max_idle: int = 4,
+        recv_chunk: int = 256 << 10,
+    ) -> None:
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.verify = verify
+        self.alloc = alloc
+        self.sock_buf = sock_buf
+        self.max_idle = max_idle
+        self.recv_chunk = recv_chunk
+        self._idle: dict[tuple[str, int], list[SocketStream]] = {}
+
+    async def fetch(self, peer: Peer, keys: Sequence[int], *, prefix: bool = False) -> list[Block]:
+        """Blocks the peer holds among ``keys`` in request order (``prefix``: up to the first miss)."""
+
+        async def run(stream: SocketStream) -> list[Block]:
+            await stream.sendv([fetch_message(keys, prefix=prefix)])
+            receiver = BlockReceiver(self.alloc, verify=self.verify)
+            blocks: list[Block] = []
+            while True:
+                frame = await self._reply(stream)
+                if frame.op is Op.ACK:
+                    if frame.count != len(blocks):
+                        raise ProtocolError(
+                            f"peer announced {frame.count} blocks, sent {len(blocks)}"
+                        )
+                    bad = receiver.mismatches()
+                    if bad:
+                        raise bad[0]
+                    return blocks
+                if frame.op is not Op.BLOCKS:
+                    raise ProtocolError(f"unexpected {frame.op.name} in a fetch reply")
+                for _ in range(frame.count):
+                    blocks.append(await receiver.recv(stream))
+
+        return await self._exchange(peer, run)
+
+    async def push(self, peer: Peer, blocks: Sequence[Block]) -> int:
+        """Send blocks for the peer to store; returns how many it did not already hold."""
+
+        async def run(stream: SocketStream) -> int:
+            items = (host_item(b) for b in blocks)  # hashed batch by batch, as they are sent
+            await send_blocks(stream, pack_frame(Op.PUSH, len(blocks)), items)
+            frame = await self._reply(stream)
+            if frame.op is not Op.ACK:
+                raise ProtocolError(f"unexpected {frame.op.name} in a push reply")
+            return frame.count
+
+        return await self._exchange(peer, run)
+
+    async def close(self) -> None:
+        for streams in self._idle.values():
+            for stream in streams:
+                stream.close()
+        self._idle.clear()
+
+    async def _reply(self, stream: SocketStream) -> Frame:
+        frame = await stream.recv_frame()
+        if frame is None:
+            raise PeerGone("peer closed the connection")
+        if frame.op is Op.ERROR:
+            raise RemoteError((await stream.recv_exact(frame.body_len)).decode(errors="replace"))
+        return frame
+
+    async def _connect(self, addr: tuple[str, int]) -> SocketStream:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET)
+        tune(sock, self.sock_buf)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, addr), self.connect_timeout)
+        except asyncio.TimeoutError as exc:
+            sock.close()
+            raise TransferTimeout(f"connecting to {addr[0]}:{addr[1]} timed out") from exc
+        except OSError as exc:
+            sock.close()
+            raise PeerGone(f"cannot connect to {addr[0]}:{addr[1]}: {exc}") from exc
+        return SocketStream(sock, recv_chunk=self.recv_chunk)
+
+    async def _exchange(self, peer: Peer, run):
+        """Run one exchange on a pooled connection; a pooled connection the peer has meanwhile
+        closed gets one retry on a fresh one (both exchanges are idempotent)."""
+        addr = parse_peer(peer)
+        idle = self._idle.setdefault(addr, [])
+        while idle:
+            try:
+                return await self._run_on(idle.pop(), addr, run)
+            except PeerGone:
+                continue  # stale: fall through to a fresh connection
+        return await self._run_on(await self._connect(addr), addr, run)
+
+    async def _run_on(self, stream: SocketStream, addr: tuple[str, int], run):
+        try:
+            result = await asyncio.wait_for(run(stream), self.timeout)
+        except asyncio.TimeoutError as exc:
+            stream.close()
+            raise TransferTimeout(f"transfer with {addr[0]}:{addr[1]} timed out") from exc
+        except BaseException:
+            stream.close()
+            raise
+        idle = self._idle.setdefault(addr, [])
+        if len(idle) < self.max_idle:
+            idle.append(stream)
+        else:
+            stream.close()
+        return result
+
+
+class TcpBlockServer:
+    """Serves a store's blocks to peers (FETCH) and stores the blocks they push (PUSH)."""
+
+    def __init__(
+        self,
+        store,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        timeout: float = 30.0,
+        verify: bool = True,
+        chunk_bytes: int = 32 << 20,
+        sock_buf: int | None = None,
+        recv_chunk: int = 256 << 10,
+    ) -> None:
+        self.store = store
+        self.recv_chunk = recv_chunk
+        self.host, self._port = host, port
+        self.timeout = timeout
+        self.verify = verify
+        self.chunk_bytes = chunk_bytes
+        self.sock_buf = sock_buf
+        self._sock: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def port(self) -> int:
+        if self._sock is None:
+            raise RuntimeError("server not started")
+        return self._sock.getsockname()[1]
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> TcpBlockServer:
+        self._sock = socket.create_server((self.host, self._port), backlog=128)
+        self._sock.setblocking(False)
+        self._spawn(self._accept_loop())
+        return self
+
+    async def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> TcpBlockServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            tune(conn, self.sock_buf)
+            self._spawn(self._serve(SocketStream(conn, recv_chunk=self.recv_chunk)))
+
+    async def _serve(self, stream: SocketStream) -> None:
+        try:
+            while (frame := await stream.recv_frame()) is not None:
+                await asyncio.wait_for(self._handle(stream, frame), self.timeout)
+        except (AgentError, asyncio.TimeoutError) as exc:
+            log.warning("block server: closing connection: %r", exc)
+        except Exception:
+            log.exception("block server: unexpected error; closing connection")
+        finally:
+            stream.close()
+
+    async def _handle(self, stream: SocketStream, frame: Frame) -> None:
+        if frame.op is Op.FETCH:
+            keys = unpack_keys(await stream.recv_exact(frame.body_len), frame.count)
+            await self._serve_fetch(stream, keys, bool(frame.flags & FLAG_PREFIX))
+        elif frame.op is Op.PUSH:
+            await self._accept_push(stream, frame.count)
+        else:
+            await stream.sendv([error_message(f"unexpected {frame.op.name}")])
+            raise ProtocolError(f"unexpected {frame.op.name} from a client")
+
+    def _export_chunk(self, keys: Sequence[int], start: int, prefix: bool):
+        items, size, i = [], 0, start
+        while i < len(keys) and size < self.chunk_bytes:
+            item = self.store.export(keys[i])
+            i += 1
+            if item is None:
+                if prefix:
+                    return items, len(keys)
+                continue
+            items.append(item)
+            size += item[0].nbytes
+        return items, i
+
+    async def _serve_fetch(self, stream: SocketStream, keys: Sequence[int], prefix: bool) -> None:
+        total, i = 0, 0
+        while i < len(keys):
+            items, i = await asyncio.to_thread(self._export_chunk, keys, i, prefix)
+            if items:
+                await send_blocks(stream, pack_frame(Op.BLOCKS, len(items)), items)
+                total += len(items)
+        await stream.sendv([pack_frame(Op.ACK, total)])
+
+    def _store_blocks(self, blocks: list[Block]) -> int:
+        return sum(
+            self.store.put(b.key, b.tensor, parent=b.parent, copy=False, checksum=b.checksum)
+            for b in blocks
+        )
+
+    async def _accept_push(self, stream: SocketStream, count: int) -> None:
+        receiver = BlockReceiver(self.store.landing, verify=self.verify)
+        stored, pending, size, bad = 0, [], 0, []
+        for i in range(count):
+            block = await receiver.recv(stream)  # a bad block still keeps the stream in sync
+            pending.append(block)
+            size += block.tensor.nbytes
+            if size >= self.chunk_bytes or i == count - 1:
+                bad += receiver.mismatches()
+                rejected = {e.key for e in bad}
+                keep = [b for b in pending if b.key not in rejected]
+                stored += await asyncio.to_thread(self._store_blocks, keep)
+                pending, size = [], 0
+        if bad:
+            await stream.sendv([error_message(str(bad[0]))])
+        else:
+            await stream.sendv([pack_frame(Op.ACK, stored)])
