@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip --disable-pip-version-check -q
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test lint redis-server clean
+.PHONY: demo test lint system-packages redis-server clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,16 +16,31 @@ $(VENV)/.base-installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,agent]'
 	touch $@ $(VENV)/.base-installed
 
-redis-server:
-	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
+# Debian packages the tests use, as program:package. Those whose program is missing are installed
+# in one apt-get call; when all are there this is a few `command -v` checks and nothing else.
+#   redis-server  shared-state tests, `kvgate up`       nginx          the compose entry point, locally
+#   prometheus    scrapes the local stack (+ promtool)  docker-compose validates compose.yaml (no daemon)
+SYSTEM_PACKAGES := redis-server:redis-server nginx:nginx-light prometheus:prometheus docker-compose:docker-compose
+
+system-packages:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do \
+	  PATH="$$PATH:/usr/sbin:/sbin" command -v "$${p%%:*}" >/dev/null || missing="$$missing $${p#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+redis-server: system-packages
 
 demo: $(VENV)/.base-installed
 	$(BIN)/kvgate demo
 
-test: $(VENV)/.dev-installed redis-server
+test: $(VENV)/.dev-installed system-packages
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 

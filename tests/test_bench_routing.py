@@ -55,11 +55,12 @@ def test_bench_routing_end_to_end(tmp_path):
         capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    expected = int(len(shared_prefix().requests) * 0.05)
     data = json.loads((out / "routing.json").read_text())
     rows = {r["target"]: r for r in data["rows"]}
     assert set(rows) == {"kvgate/round_robin", "oracle"}
     for r in rows.values():
-        assert r["failures"] == 0 and r["requests"] == 24 and sum(r["per_replica"]) == 24
+        assert r["failures"] == 0 and r["requests"] == expected and sum(r["per_replica"]) == expected
         assert 0 < r["hit_rate"] <= r["ideal_hit_rate"] + 1e-9
     assert rows["oracle"]["hit_rate"] >= rows["kvgate/round_robin"]["hit_rate"]
     assert "| shared_prefix | oracle" in (out / "routing.md").read_text()
