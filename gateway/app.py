@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,17 +22,26 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from policies import default_registry
+from policies import PolicyDeps, default_registry
 
 from .admin import AdminApi
 from .config import GatewayConfig
-from .errors import NotFound, error_body
+from .errors import ConfigError, NotFound, error_body
 from .features import ROUTES
 from .health import check_all, health_loop
 from .metrics import GatewayMetrics
 from .proxy import Proxy, send_error
 from .replicas import ReplicaPool
-from .upstream import make_client
+from .state import (
+    SharedPolicy,
+    StateMetrics,
+    StateSync,
+    Store,
+    SyncSettings,
+    check_store_url,
+    make_store,
+)
+from .upstream import make_client, make_upstream
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -48,6 +58,7 @@ class GatewayState:
     metrics: GatewayMetrics
     client: httpx.AsyncClient
     started: float
+    sync: StateSync
 
 
 class GatewayApp:
@@ -57,14 +68,24 @@ class GatewayApp:
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
         policy_deps: object = None,
+        store: Store | None = None,
+        sync_settings: SyncSettings | None = None,
     ) -> None:
         self.cfg = cfg
         self._transport = transport
         self._clock = clock
-        self._policy_deps = policy_deps
+        # The local view (prefix index, sessions) the policies share and the state sync feeds.
+        self.policy_deps = policy_deps if policy_deps is not None else PolicyDeps(clock=clock)
         self.state: GatewayState | None = None
+        # A store passed in is shared (several gateways in one process) and not closed here.
+        self._store = store
+        self._sync_settings = sync_settings
+        try:
+            check_store_url(cfg.redis_url)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         # Build the policy now so a bad name or parameter fails before the server binds.
-        self._policy = default_registry().build(cfg.policy, cfg.policy_params, policy_deps)
+        self._policy = default_registry().build(cfg.policy, cfg.policy_params, self.policy_deps)
         self.control = Starlette(
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
@@ -97,17 +118,38 @@ class GatewayApp:
         )
         pool = ReplicaPool(cfg.replicas, cfg.eject_after_failures)
         metrics = GatewayMetrics()
-        proxy = Proxy(cfg, pool, self._policy, client, metrics, self._clock)
+        # An injected httpx transport (tests) means httpx for the proxy too.
+        kind = "httpx" if self._transport is not None else cfg.upstream_client
+        upstream = make_upstream(
+            kind, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.max_connections_per_replica, client
+        )
+        store = self._store if self._store is not None else make_store(cfg.redis_url)
+        gateway_id = cfg.gateway_id or f"{cfg.host}:{cfg.port}-{os.urandom(3).hex()}"
+        sync = StateSync(
+            store, self.policy_deps, pool, gateway_id, self._sync_settings,
+            StateMetrics(metrics.registry), clock=self._clock,
+        )
+        # The policy reports each dispatch to the shared state; the proxy is unaware of it.
+        proxy = Proxy(cfg, pool, SharedPolicy(self._policy, sync), upstream, metrics, self._clock)
         await check_all(client, pool, cfg.connect_timeout_s)
-        self.state = GatewayState(cfg, pool, proxy, metrics, client, self._clock())
+        # Replay the shared stream before serving (bounded); /ready says 503 until it is done.
+        await sync.start(wait_s=2.0)
+        self.state = GatewayState(cfg, pool, proxy, metrics, client, self._clock(), sync)
         checker = asyncio.create_task(health_loop(client, pool, cfg.health_interval_s, cfg.connect_timeout_s))
-        log.info("gateway ready", extra={"replicas": [r.id for r in pool], "policy": cfg.policy})
+        log.info("gateway ready", extra={
+            "replicas": [r.id for r in pool], "policy": cfg.policy, "gateway_id": gateway_id,
+            "store": store.backend, "state_caught_up": sync.caught_up,
+        })
         try:
             yield
         finally:
             checker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checker
+            await sync.stop()
+            if self._store is None:
+                await store.close()
+            await upstream.aclose()
             await client.aclose()
             self.state = None
 
@@ -125,17 +167,22 @@ class GatewayApp:
         return json_response({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
-        pool = self._st().pool
-        healthy = sum(1 for r in pool if r.healthy)
-        return json_response({"status": "ok", "replicas": len(pool), "healthy_replicas": healthy})
+        st = self._st()
+        healthy = sum(1 for r in st.pool if r.healthy)
+        store = st.sync.status()  # status "degraded" while the shared store is unreachable
+        return json_response({
+            "status": store["status"], "replicas": len(st.pool), "healthy_replicas": healthy,
+            "store": store,
+        })
 
     async def ready(self, request: Request) -> Response:
         st = self._st()
         models = st.pool.models()
         known = {m for r in st.pool for m in r.models}
         missing = sorted(known - set(models))
-        ok = bool(models) and not missing
-        body = {"ready": ok, "models": sorted(models), "models_without_replica": missing}
+        ok = bool(models) and not missing and st.sync.ready()
+        body = {"ready": ok, "models": sorted(models), "models_without_replica": missing,
+                "state_caught_up": st.sync.caught_up}
         return json_response(body, 200 if ok else 503)
 
     async def metrics(self, request: Request) -> Response:
@@ -143,6 +190,7 @@ class GatewayApp:
         for r in st.pool:
             st.metrics.in_flight.labels(r.id).set(r.in_flight)
             st.metrics.healthy.labels(r.id).set(1 if r.healthy else 0)
+        st.sync.refresh_gauges()
         return Response(st.metrics.render(), media_type=st.metrics.content_type)
 
 

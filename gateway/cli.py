@@ -17,6 +17,8 @@ subcommands:
   serve   run the gateway in front of replicas (--replica URL, --config FILE, KVGATE_* env)
   sim     run simulated OpenAI-compatible LLM replicas with a prefix cache
   demo    run a gateway and 3 simulated replicas in one process, with usage examples
+  up      run compose.yaml's services (gateways, replicas, redis, nginx...) as local processes
+  agent   run a worker agent: tiered KV block store, block data port, KV events, control API
   bench   benchmarks (routing quality, proxy overhead, KV transfers): `kvgate bench NAME --help`
 """
 
@@ -44,6 +46,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", help="debug|info|warning|error (default info)")
     p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
                    help="accepted client API key, repeatable (none: no auth)")
+    p.add_argument("--redis", dest="redis_url", metavar="URL",
+                   help="share sessions, prefix index and load with other gateways through Redis, "
+                   "e.g. redis://10.0.0.5:6379/0 (default: embedded, this gateway only; KVGATE_REDIS_URL)")
+    p.add_argument("--gateway-id", help="this gateway's id in the shared state "
+                   "(default host:port plus a random suffix; KVGATE_GATEWAY_ID)")
 
 
 def _serve_overrides(args: argparse.Namespace) -> dict:
@@ -56,6 +63,7 @@ def _serve_overrides(args: argparse.Namespace) -> dict:
     out = {
         "host": args.host, "port": args.port, "replicas": args.replicas, "policy": args.policy,
         "log_level": args.log_level, "api_keys": args.api_keys,
+        "redis_url": args.redis_url, "gateway_id": args.gateway_id,
     }
     if params:
         out["policy_params"] = params
@@ -94,6 +102,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sim-port", type=int, default=9001, help="first replica port (default 9001)")
     demo.add_argument("--policy", default=None, help="routing policy (default: the gateway's default)")
     demo.add_argument("--log-level", default="warning")
+    demo.add_argument(
+        "--gateways", type=int, default=1,
+        help="gateways sharing state, on consecutive ports (default 1); with 2 or more the demo "
+        "starts a local redis-server when one is installed, else they share an embedded store",
+    )
+    demo.add_argument("--redis", dest="redis_url", metavar="URL",
+                      help="with --gateways: share state through this Redis instead")
+
+    from .up import add_up_arguments
+
+    up = sub.add_parser(
+        "up", help="run compose.yaml's services as local processes",
+        description="Run the services of a compose file as local processes, without Docker "
+        "(ports mapped as gateway/up.py documents), until Ctrl-C.",
+    )
+    add_up_arguments(up)
+
+    from worker_agent.cli_args import add_agent_arguments  # argparse only: no torch, no zmq
+
+    agent = sub.add_parser(
+        "agent", help="run a worker agent (needs the 'agent' extra: torch, msgpack, pyzmq)",
+        description="A worker agent: tiered KV block store, TCP data port, vLLM-format KV events "
+        "over ZMQ (and the shared store with --redis-url), HTTP control API.",
+    )
+    add_agent_arguments(agent)
 
     bench = sub.add_parser(
         "bench", help="run a benchmark",
@@ -136,8 +169,22 @@ def main(argv: list[str] | None = None) -> int:
             from .runner import run_demo
 
             return asyncio.run(run_demo(args))
+        if args.command == "up":
+            from .up import run_up
+
+            return run_up(args)
+        if args.command == "agent":
+            from worker_agent.cli_args import run_agent
+
+            return asyncio.run(run_agent(args))
     except (ConfigError, PolicyConfigError) as exc:
         print(f"kvgate: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        if args.command != "agent":
+            raise
+        print(f"kvgate agent: {exc}; install the agent extra: pip install 'kvgate[agent]'",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -50,8 +50,11 @@ class GatewayConfig:
     health_interval_s: float = 2.0
     eject_after_failures: int = 3
     shutdown_grace_s: float = 15.0
-    max_connections_per_replica: int = 256
+    max_connections_per_replica: int = 256  # idle keep-alive connections kept per replica
+    upstream_client: str = "fast"  # fast (asyncio + httptools, gateway/fastclient.py) | httpx
     admin_token: str = ""  # empty: admin changes only from loopback clients
+    redis_url: str = ""  # empty: embedded in-memory state; redis://host:port/db shares it
+    gateway_id: str = ""  # identity in shared state; empty: host:port plus a random suffix
 
     def validate(self) -> GatewayConfig:
         if not 0 < self.port < 65536:
@@ -63,6 +66,10 @@ class GatewayConfig:
         for name in ("connect_timeout_s", "read_timeout_s", "health_interval_s", "shutdown_grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.upstream_client not in ("fast", "httpx"):
+            raise ConfigError(f"upstream_client must be 'fast' or 'httpx', not {self.upstream_client!r}")
+        if self.max_connections_per_replica < 1:
+            raise ConfigError("max_connections_per_replica must be >= 1")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
         ids = [r.id for r in self.replicas]

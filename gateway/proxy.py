@@ -8,6 +8,7 @@ through untouched -> report the outcome (actual cached tokens from ``usage``) to
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -20,25 +21,38 @@ import orjson
 from policies.errors import NoReplicaError
 from policies.types import Decision, Outcome, RequestFeatures
 
+from . import fastclient as fc
 from .config import GatewayConfig
 from .errors import KvgateError, ModelNotFound, NoReplicaAvailable, PayloadTooLarge, Unauthorized
 from .features import parse_request
+from .kvhints import pull_hint_body
 from .metrics import GatewayMetrics
 from .replicas import ReplicaPool
-from .upstream import RETRYABLE_STATUS, error_kind, request_headers, response_headers, translate
+from .upstream import (
+    HOP_BY_HOP,
+    RESPONSE_DROP,
+    RETRYABLE_STATUS,
+    HttpxUpstream,
+    UpstreamClient,
+    UpstreamResponse,
+    error_kind,
+    translate,
+)
 
 log = logging.getLogger("kvgate.access")
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
+RESPONSE_SKIP = RESPONSE_DROP | {b"x-request-id"}  # the gateway sets its own x-request-id
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-@dataclass
+@dataclass(slots=True, eq=False)  # identity hash: a key of Proxy._unwatched
 class _Exchange:
     """Per-request bookkeeping shared by the helpers below."""
 
     route: str
     request_id: str
+    request_id_b: bytes
     features: RequestFeatures
     decision: Decision
     started: float
@@ -50,6 +64,7 @@ class _Exchange:
     ok: bool = False
     finished: bool = False  # the response is complete: a disconnect no longer cancels
     error: KvgateError | None = None
+    watcher: asyncio.Task | None = None  # started only for requests that run a while
 
 
 async def read_body(receive, limit: int) -> bytes:
@@ -104,15 +119,36 @@ def cached_tokens(usage: dict | None) -> int | None:
     return value if isinstance(value, int) else None
 
 
+class _Children:
+    """A metric's label children, looked up in prometheus_client once per label set."""
+
+    __slots__ = ("metric", "cache")
+
+    def __init__(self, metric) -> None:
+        self.metric = metric
+        self.cache: dict[tuple, object] = {}
+
+    def get(self, *labels: str):
+        child = self.cache.get(labels)
+        if child is None:
+            child = self.cache[labels] = self.metric.labels(*labels)
+        return child
+
+
 class Proxy:
     """Forwards the inference routes; one instance per app, built in the lifespan."""
+
+    # A client disconnect is watched for (a task reading ASGI ``receive``) only once a request
+    # has run this long: most short requests finish first, and skip the task.  One timer sweeps
+    # the running requests (in start order) instead of a timer per request.
+    watch_disconnect_after_s = 0.05
 
     def __init__(
         self,
         cfg: GatewayConfig,
         pool: ReplicaPool,
         policy,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         metrics: GatewayMetrics,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -120,46 +156,84 @@ class Proxy:
         self.pool = pool
         self.policy = policy
         self.policy_name = getattr(policy, "name", type(policy).__name__)
+        if isinstance(client, httpx.AsyncClient):  # the pre-fastclient signature
+            client = HttpxUpstream(client)
         self.client = client
         self.metrics = metrics
         self.clock = clock
         self.api_keys = {f"Bearer {k}".encode() for k in cfg.api_keys}
         self.session_header = cfg.session_header.lower()
+        self._session_header_b = self.session_header.encode("latin-1")
+        self._policy_b = self.policy_name.encode()
+        self._rid_prefix = os.urandom(6).hex()
+        self._rid_seq = itertools.count(1)
         self.open_streams = 0
+        self._unwatched: dict[_Exchange, tuple] = {}  # running, no watcher yet: (receive, task, t0)
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        m = metrics
+        self._m_requests = _Children(m.requests)
+        self._m_latency = _Children(m.latency)
+        self._m_ttft = _Children(m.ttft)
+        self._m_itl = _Children(m.itl)
+        self._m_decisions = _Children(m.decisions)
+        self._m_retries = _Children(m.retries)
+        self._m_upstream_errors = _Children(m.upstream_errors)
+        self._m_ejections = _Children(m.ejections)
+        name = self.policy_name
+        self._m_predicted = m.predicted_cached.labels(name)
+        self._m_actual = m.actual_cached.labels(name)
+        self._m_prompt = m.prompt_tokens.labels(name)
+        self._m_pred_error = m.prediction_error.labels(name)
+
+    def _new_request_id(self) -> str:
+        """24 hex digits: a random per-process prefix and a counter (no syscall per request)."""
+        return f"{self._rid_prefix}{next(self._rid_seq):012x}"
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, scope, receive, send, kind: str) -> None:
         started = self.clock()
-        raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
-        request_id = ""
-        for k, v in raw_headers:
+        # One pass over the headers: request id, API key, session key, headers to forward.
+        request_id = b""
+        session = b""
+        authorized = not self.api_keys
+        forward: list[tuple[bytes, bytes]] = []
+        session_header = self._session_header_b
+        for k, v in scope["headers"]:
+            if k in HOP_BY_HOP:
+                continue
             if k == b"x-request-id":
-                request_id = v.decode("latin-1")
-        request_id = request_id or os.urandom(12).hex()
-        rid_header = [(b"x-request-id", request_id.encode())]
+                request_id = v
+                continue
+            if k == session_header:
+                session = v
+            if k == b"authorization" and not authorized and v in self.api_keys:
+                authorized = True
+            forward.append((k, v))
+        if request_id:
+            rid = request_id.decode("latin-1")
+        else:
+            rid = self._new_request_id()
+            request_id = rid.encode()
         route = scope["path"]
         try:
-            self._authorize(raw_headers)
+            if not authorized:
+                raise Unauthorized("missing or invalid API key")
             body = await read_body(receive, self.cfg.max_body_bytes)
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
+            headers = {self.session_header: session.decode("latin-1")} if session else {}
             parsed = parse_request(
                 kind, body, headers, session_header=self.session_header, chunk_bytes=self.cfg.chunk_bytes
             )
             decision = self._decide(parsed.features)
+            if decision.pull_from is not None:  # migration hint -> kv_transfer_params
+                body = pull_hint_body(parsed.body, decision, self.pool) or body
         except KvgateError as exc:
-            self.metrics.requests.labels(route, str(exc.status)).inc()
-            await send_error(send, exc, rid_header)
+            self._m_requests.get(route, str(exc.status)).inc()
+            await send_error(send, exc, [(b"x-request-id", request_id)])
             return
-        ex = _Exchange(route, request_id, parsed.features, decision, started)
-        await self._forward(scope, receive, send, body, ex)
-
-    def _authorize(self, raw_headers) -> None:
-        if not self.api_keys:
-            return
-        for k, v in raw_headers:
-            if k == b"authorization" and v in self.api_keys:
-                return
-        raise Unauthorized("missing or invalid API key")
+        forward.append((b"x-request-id", request_id))
+        ex = _Exchange(route, rid, request_id, parsed.features, decision, started)
+        await self._forward(scope, receive, send, body, forward, ex)
 
     def _decide(self, features: RequestFeatures) -> Decision:
         if not self.pool.knows_model(features.model):
@@ -170,15 +244,18 @@ class Proxy:
         except NoReplicaError as exc:
             raise NoReplicaAvailable(str(exc)) from exc
         self.policy.on_dispatch(features, decision, view)
-        self.metrics.decisions.labels(self.policy_name, decision.reason, decision.replica).inc()
+        self._m_decisions.get(self.policy_name, decision.reason, decision.replica).inc()
         return decision
 
     # ------------------------------------------------------------------ forwarding
-    async def _forward(self, scope, receive, send, body: bytes, ex: _Exchange) -> None:
+    async def _forward(self, scope, receive, send, body: bytes, headers, ex: _Exchange) -> None:
         task = asyncio.current_task()
-        watcher = asyncio.create_task(_watch_disconnect(receive, task, ex))
+        loop = self._loop or self._bind_loop()
+        self._unwatched[ex] = (receive, task, loop.time())
+        if self._sweeper is None:
+            self._sweeper = loop.call_later(self.watch_disconnect_after_s, self._sweep)
         try:
-            resp = await self._connect(scope, body, ex)
+            resp = await self._connect(scope, body, headers, ex)
             if resp is None:
                 ex.replica = ""  # every attempt already released its replica
                 return await self._fail(send, ex)
@@ -187,45 +264,69 @@ class Proxy:
             finally:
                 await resp.aclose()
         except asyncio.CancelledError:
-            if not (watcher.done() and watcher.result() is True):
+            watcher = ex.watcher
+            if not (watcher is not None and watcher.done() and not watcher.cancelled() and watcher.result() is True):
                 raise
             task.uncancel()
             ex.status = 499  # client closed the connection
         finally:
             ex.finished = True
-            watcher.cancel()
+            self._unwatched.pop(ex, None)
+            if ex.watcher is not None:
+                ex.watcher.cancel()
             self._finish(ex)
 
-    async def _connect(self, scope, body: bytes, ex: _Exchange) -> httpx.Response | None:
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def _sweep(self) -> None:
+        """Timer: start a disconnect watcher for each request running longer than the threshold."""
+        self._sweeper = None
+        loop = self._loop
+        cutoff = loop.time() - self.watch_disconnect_after_s
+        due = []
+        for ex, (_, _, t0) in self._unwatched.items():  # oldest first
+            if t0 > cutoff:
+                break
+            due.append(ex)
+        for ex in due:
+            receive, task, _ = self._unwatched.pop(ex)
+            if not ex.finished and ex.watcher is None:
+                ex.watcher = loop.create_task(_watch_disconnect(receive, task, ex))
+        if self._unwatched:
+            first = next(iter(self._unwatched.values()))[2]
+            delay = max(first + self.watch_disconnect_after_s - loop.time(), 0.001)
+            self._sweeper = loop.call_later(delay, self._sweep)
+
+    async def _connect(self, scope, body: bytes, headers, ex: _Exchange) -> UpstreamResponse | None:
         """Open the upstream response, retrying alternates on retryable failures."""
         candidates = ex.decision.candidates()[: self.cfg.max_retries + 1]
         qs = scope.get("query_string", b"")
         path = scope["path"] + ("?" + qs.decode("latin-1") if qs else "")
-        headers = request_headers(scope["headers"], ex.request_id)
         for attempt, replica_id in enumerate(candidates):
             rep = self.pool.get(replica_id)
             if rep is None:
                 continue
             if attempt:
-                self.metrics.retries.labels(replica_id).inc()
+                self._m_retries.get(replica_id).inc()
                 if attempt > 1:
                     await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 2))
             ex.attempts = attempt + 1
             ex.replica = replica_id
             self.pool.begin(replica_id)
             try:
-                req = self.client.build_request("POST", rep.url + path, headers=headers, content=body)
-                resp = await self.client.send(req, stream=True)
-            except httpx.HTTPError as exc:
+                resp = await self.client.request("POST", rep.url, path, headers, body)
+            except fc.HTTPError as exc:
                 self.pool.end(replica_id)
                 self._upstream_failed(replica_id, error_kind(exc))
                 ex.status = 0
                 ex.error = translate(exc, replica_id)
                 continue
-            if resp.status_code in RETRYABLE_STATUS and attempt + 1 < len(candidates):
+            if resp.status in RETRYABLE_STATUS and attempt + 1 < len(candidates):
                 await resp.aclose()
                 self.pool.end(replica_id)
-                self._upstream_failed(replica_id, f"status_{resp.status_code}")
+                self._upstream_failed(replica_id, f"status_{resp.status}")
                 continue
             return resp
         return None
@@ -234,57 +335,73 @@ class Proxy:
         err = ex.error or NoReplicaAvailable("no replica could take the request")
         ex.status = err.status
         ex.finished = True
-        await send_error(send, err, [(b"x-request-id", ex.request_id.encode())])
+        await send_error(send, err, [(b"x-request-id", ex.request_id_b)])
 
     def _route_headers(self, ex: _Exchange) -> list[tuple[bytes, bytes]]:
         return [
-            (b"x-request-id", ex.request_id.encode()),
+            (b"x-request-id", ex.request_id_b),
             (b"x-kvgate-replica", ex.replica.encode()),
-            (b"x-kvgate-policy", self.policy_name.encode()),
+            (b"x-kvgate-policy", self._policy_b),
             (b"x-kvgate-reason", ex.decision.reason.encode()),
-            (b"x-kvgate-predicted-cached-tokens", str(ex.decision.predicted_cached_tokens).encode()),
-            (b"x-kvgate-attempts", str(ex.attempts).encode()),
+            (b"x-kvgate-predicted-cached-tokens", b"%d" % ex.decision.predicted_cached_tokens),
+            (b"x-kvgate-attempts", b"%d" % ex.attempts),
         ]
 
-    async def _relay(self, send, resp: httpx.Response, ex: _Exchange) -> None:
-        ex.status = resp.status_code
-        headers = response_headers(resp.headers.raw)
-        headers = [(k, v) for k, v in headers if k.lower() != b"x-request-id"] + self._route_headers(ex)
-        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        if not is_sse:
+    async def _relay(self, send, resp: UpstreamResponse, ex: _Exchange) -> None:
+        ex.status = status = resp.status
+        # One pass: drop hop-by-hop headers and the replica's x-request-id, note the two we need.
+        headers = []
+        ctype = b""
+        encoded = False
+        for k, v in resp.headers:  # names are lower-case
+            if k in RESPONSE_SKIP:
+                continue
+            if k == b"content-type":
+                ctype = v
+            elif k == b"content-encoding":
+                encoded = True
+            headers.append((k, v))
+        headers += self._route_headers(ex)
+        if not ctype.startswith(b"text/event-stream"):
             try:
                 data = await resp.aread()
-            except httpx.HTTPError as exc:
+            except fc.HTTPError as exc:
                 self._upstream_failed(ex.replica, error_kind(exc))
                 ex.error = translate(exc, ex.replica)
                 return await self._fail(send, ex)
             ex.ttft = self.clock() - ex.started
-            await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
+            await send({"type": "http.response.start", "status": status, "headers": headers})
             ex.finished = True
             await send({"type": "http.response.body", "body": data})
-            ex.ok = resp.status_code < 400
-            if ex.ok and resp.headers.get("content-encoding") is None:
+            ex.ok = status < 400
+            if ex.ok and not encoded:
                 ex.usage = usage_from_json(data)
             return
-        await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await self._relay_stream(send, resp, ex)
 
-    async def _relay_stream(self, send, resp: httpx.Response, ex: _Exchange) -> None:
+    async def _relay_stream(self, send, resp: UpstreamResponse, ex: _Exchange) -> None:
         tail = b""
         last = None
-        itl = self.metrics.itl.labels(ex.route)
+        clock = self.clock
+        itl = self._m_itl.get(ex.route)
+        ended = False
         self.open_streams += 1
         try:
-            async for chunk in resp.aiter_raw():
-                now = self.clock()
+            while chunk := await resp.read_chunk():
+                now = clock()
                 if last is None:
                     ex.ttft = now - ex.started
                 else:
                     itl.observe(now - last)
                 last = now
+                tail = (tail + chunk)[-4096:] if tail else chunk[-4096:]
+                if resp.complete:  # the replica is done: end the client's stream in the same write
+                    ex.finished = ended = True
+                    await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                    break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                tail = (tail + chunk)[-4096:]
-        except httpx.HTTPError as exc:
+        except fc.HTTPError as exc:
             self._upstream_failed(ex.replica, error_kind(exc))
             err = translate(exc, ex.replica)
             event = b"data: " + orjson.dumps({"error": orjson.loads(err.body())["error"]}) + b"\n\n"
@@ -294,15 +411,16 @@ class Proxy:
             return
         finally:
             self.open_streams -= 1
-        ex.finished = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        ex.ok = resp.status_code < 400
+        if not ended:
+            ex.finished = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        ex.ok = resp.status < 400
         ex.usage = usage_from_sse_tail(tail)
 
     def _upstream_failed(self, replica_id: str, kind: str) -> None:
-        self.metrics.upstream_errors.labels(replica_id, kind).inc()
+        self._m_upstream_errors.get(replica_id, kind).inc()
         if self.pool.record_failure(replica_id):
-            self.metrics.ejections.labels(replica_id).inc()
+            self._m_ejections.get(replica_id).inc()
 
     def _finish(self, ex: _Exchange) -> None:
         elapsed = self.clock() - ex.started
@@ -310,18 +428,18 @@ class Proxy:
             self.pool.end(ex.replica)
             if ex.ok:
                 self.pool.record_success(ex.replica)
-        m = self.metrics
-        m.requests.labels(ex.route, str(ex.status)).inc()
-        m.latency.labels(ex.route).observe(elapsed)
+        route = ex.route
+        self._m_requests.get(route, _status_label(ex.status)).inc()
+        self._m_latency.get(route).observe(elapsed)
         if ex.ttft is not None:
-            m.ttft.labels(ex.route).observe(ex.ttft)
+            self._m_ttft.get(route).observe(ex.ttft)
         actual = cached_tokens(ex.usage)
         if actual is not None:
             predicted = ex.decision.predicted_cached_tokens if ex.replica == ex.decision.replica else 0
-            m.predicted_cached.labels(self.policy_name).inc(predicted)
-            m.actual_cached.labels(self.policy_name).inc(actual)
-            m.prompt_tokens.labels(self.policy_name).inc(ex.usage.get("prompt_tokens") or 0)
-            m.prediction_error.labels(self.policy_name).observe(abs(predicted - actual))
+            self._m_predicted.inc(predicted)
+            self._m_actual.inc(actual)
+            self._m_prompt.inc(ex.usage.get("prompt_tokens") or 0)
+            self._m_pred_error.observe(abs(predicted - actual))
         if ex.replica:
             prompt = (ex.usage or {}).get("prompt_tokens") or 0
             outcome = Outcome(ok=ex.ok, prompt_tokens=prompt, cached_tokens=actual, latency_s=elapsed, ttft_s=ex.ttft)
@@ -338,6 +456,16 @@ class Proxy:
                     "ttft_ms": None if ex.ttft is None else round(ex.ttft * 1000, 2),
                 },
             )
+
+
+_STATUS_LABELS: dict[int, str] = {}
+
+
+def _status_label(status: int) -> str:
+    label = _STATUS_LABELS.get(status)
+    if label is None:
+        label = _STATUS_LABELS[status] = str(status)
+    return label
 
 
 async def _watch_disconnect(receive, task: asyncio.Task, ex: _Exchange) -> bool:

@@ -12,7 +12,7 @@ from .config import ReplicaConfig
 class Replica:
     __slots__ = (
         "id", "url", "models", "static_models", "healthy", "draining", "in_flight",
-        "running", "waiting", "kv_usage", "failures", "metrics_ok", "removing",
+        "running", "waiting", "kv_usage", "failures", "metrics_ok", "removing", "remote_in_flight",
     )
 
     def __init__(self, cfg: ReplicaConfig) -> None:
@@ -29,10 +29,13 @@ class Replica:
         self.failures = 0  # consecutive
         self.metrics_ok = False
         self.removing = False  # drained and removed from the pool once idle
+        self.remote_in_flight = 0  # other gateways' in-flight here (shared state heartbeat)
 
     def state(self) -> ReplicaState:
+        """The policies' snapshot; ``in_flight`` is cluster-wide (ours + other gateways')."""
         return ReplicaState(
-            id=self.id, url=self.url, healthy=self.healthy, in_flight=self.in_flight,
+            id=self.id, url=self.url, healthy=self.healthy,
+            in_flight=self.in_flight + self.remote_in_flight,
             running=self.running, waiting=self.waiting, kv_usage=self.kv_usage,
             models=self.models, draining=self.draining,
         )
@@ -43,6 +46,7 @@ class Replica:
             "healthy": self.healthy, "draining": self.draining, "in_flight": self.in_flight,
             "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
             "consecutive_failures": self.failures, "removing": self.removing,
+            "remote_in_flight": self.remote_in_flight,
         }
 
 
@@ -89,6 +93,11 @@ class ReplicaPool:
     def knows_model(self, model: str) -> bool:
         """True when some replica (healthy or not) lists ``model``, or lists nothing yet."""
         return any(not r.models or model in r.models for r in self._replicas.values())
+
+    def set_remote_in_flight(self, totals: dict[str, int]) -> None:
+        """Other gateways' in-flight per replica (replicas absent from ``totals`` get 0)."""
+        for rep in self._replicas.values():
+            rep.remote_in_flight = max(0, int(totals.get(rep.id, 0)))
 
     # --- request accounting -------------------------------------------------------------
     def begin(self, replica_id: str) -> None:

@@ -130,6 +130,8 @@ def free_port_block(n: int, host: str = "127.0.0.1") -> int:
             for i in range(n):
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 socks.append(s)
+                # Like the servers that will bind it: a port held only by TIME_WAIT is free.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind((host, base + i))
             return base
         except OSError:

@@ -20,6 +20,24 @@ Algorithm (filter -> score -> pick):
   ``hit(r) = min(P, matched(r) * tokens_per_hash)`` with ``matched(r)`` the leading prefix hashes
   the ``PrefixIndex`` says r holds.  A session's earlier turns are in the index under the replica
   they went to, so session affinity is scored as the cache it is, not as a rule.
+* Migration (``migrate``, off by default).  Let ``top = max_r hit(r)``, held by ``h`` (the least
+  loaded of the replicas holding it).  A replica r with ``top - hit(r) >= migrate_min_tokens`` can
+  pull the difference from h instead of recomputing it::
+
+      pull_ms(r) = transfer_overhead_ms + (top - hit(r)) * transfer_ms_per_token
+
+  and when ``pull_ms(r) < (top - hit(r)) * prefill_ms_per_token`` r (if within the load bound)
+  gets a second score, ``ttft_pull(r) = queue_ms(r) + (P - top) * prefill_ms_per_token +
+  pull_ms(r)``.  Pulls win only by more than a tie: if ``min ttft_pull + tie_ms < min ttft`` (the
+  plain scores, over the bound excluded) the pick is made among the pull scores within
+  ``tie_ms`` of their minimum, else exactly as without migration.  Copying a prefix costs cache
+  space on the receiver, which the TTFT model does not price: without that margin every prefix
+  spreads to every replica whenever a pull is within a tie of its holder (in the shared_prefix
+  benchmark that cost 18 points of hit rate).  So when h is overloaded -- its queue exceeds about
+  ``pull_ms + tie_ms``, long before it exceeds a full recompute -- a cheap-transfer replica
+  takes the spill at about h's hit; the decision then carries ``pull_from = h`` and
+  ``pull_tokens = top - hit(r)`` (the gateway passes them on as ``kv_transfer_params``) and
+  predicts ``top`` cached tokens.
 * Bounded load (Mirrokni et al.): replicas with ``load > load_factor * mean_load + load_slack`` are
   set aside unless all are (the least loaded never is).  This stops a hot prefix from herding.
 * Pick: the minimum ttft; replicas within ``tie_ms`` of it are ties.  The session's current
@@ -29,8 +47,8 @@ Algorithm (filter -> score -> pick):
   of piling onto one, and independent gateways, whose in-flight counts differ by about one, make
   the same choice without talking.
 * Decision: ``predicted_cached_tokens = hit(chosen)``; alternates are the other replicas by
-  ttft (those over the bound last); reason ``load-fallback`` (a longer match elsewhere lost on
-  load or the bound), else ``session`` (the session's bound replica), ``prefix-hit`` or
+  ttft (those over the bound last); reason ``migrate`` (it pulls from a holder), else
+  ``load-fallback`` (a longer match elsewhere lost on load or the bound), else ``session`` (the session's bound replica), ``prefix-hit`` or
   ``cold-rendezvous`` (nothing worth a tie's difference is cached anywhere).
 * on_dispatch: insert the chain into the index for the chosen replica; bind the session.
 * on_complete: with ``learn_capacity``, feed predicted vs reported cached tokens to
@@ -42,7 +60,9 @@ Parameters (defaults sized for an 8B model on one H100; set ``max_running`` to t
 concurrency -- e.g. vLLM's max_num_seqs, or the simulator's max_running -- since below it the model
 sees no queue and only the load bound guards against herding):
 prefill_ms_per_token 0.1, decode_ms_per_token 20, max_running 64, avg_output_tokens 256,
-busy_ms_per_request 2, load_factor 1.25, load_slack 4, tie_ms 100, learn_capacity true.
+busy_ms_per_request 2, load_factor 1.25, load_slack 4, tie_ms 100, learn_capacity true; migrate
+false, transfer_ms_per_token 0.01 (an 8B model's 128 KiB of KV per token at 12.5 GB/s),
+transfer_overhead_ms 2, migrate_min_tokens 256.
 ``load_slack`` 4 rather than the textbook bound (``load + 1 <= c * (mean + 1)``, i.e. slack
 ``c - 1``): in a simulation of multi-turn sessions on 8 replicas the tight bound moved sessions
 away from their cache at low load (hit rate 0.84 against 0.91, mean TTFT 226 ms against 124 ms)
@@ -71,6 +91,10 @@ class CacheAwareParams:
     load_slack: float = 4.0
     tie_ms: float = 100.0
     learn_capacity: bool = True
+    migrate: bool = False
+    transfer_ms_per_token: float = 0.01
+    transfer_overhead_ms: float = 2.0
+    migrate_min_tokens: int = 256
 
     def validate(self) -> None:
         if self.prefill_ms_per_token < 0 or self.decode_ms_per_token < 0:
@@ -81,6 +105,10 @@ class CacheAwareParams:
             raise ValueError("avg_output_tokens must be >= 0")
         if self.tie_ms < 0 or self.busy_ms_per_request < 0:
             raise ValueError("tie_ms and busy_ms_per_request must be >= 0")
+        if self.transfer_ms_per_token < 0 or self.transfer_overhead_ms < 0:
+            raise ValueError("transfer costs must be >= 0")
+        if self.migrate_min_tokens < 1:
+            raise ValueError("migrate_min_tokens must be >= 1")
         LoadBound(self.load_factor, self.load_slack).validate()
 
 
@@ -88,8 +116,10 @@ class _Score(NamedTuple):
     over: bool  # over the load bound
     ttft: float  # predicted time to first token, ms
     id: str
-    hit: int  # predicted cached tokens
+    hit: int  # predicted cached tokens (own, plus ``pull``)
     load: int
+    pull: int = 0  # tokens to pull from the holder first
+    pull_ms: float = 0.0
 
 
 def _pick(ties: list[_Score], bound_id: str | None, req: RequestFeatures) -> _Score:
@@ -105,6 +135,8 @@ def _pick(ties: list[_Score], bound_id: str | None, req: RequestFeatures) -> _Sc
 
 
 def _reason(chosen: _Score, scored: list[_Score], ties: list[_Score], bound_id: str | None) -> str:
+    if chosen.pull:
+        return "migrate"
     top = max(s.hit for s in scored)
     if top > chosen.hit and not any(s.hit == top for s in ties):
         return "load-fallback"  # a longer match lost on load or the bound
@@ -139,20 +171,30 @@ class CacheAware(BasePolicy):
         limit = self._bound.limit(loads)
         queue_ms = self.queue_ms
         pf = self._p.prefill_ms_per_token
+        hits = [min(total, matched.get(r.id, 0) * tph) for r in replicas]
+        holder, top = self._holder(replicas, loads, hits)
+        tie = self._p.tie_ms
         scored: list[_Score] = []
-        for r, load in zip(replicas, loads, strict=True):
-            hit = min(total, matched.get(r.id, 0) * tph)
-            scored.append(
-                _Score(
-                    load > limit, queue_ms(load, r.waiting) + (total - hit) * pf, r.id, hit, load
-                )
-            )
-        best = min(s.ttft for s in scored if not s.over) + self._p.tie_ms
-        ties = [s for s in scored if not s.over and s.ttft <= best]
+        pulls: list[_Score] = []  # the same replicas, pulling from the holder first
+        for r, load, hit in zip(replicas, loads, hits, strict=True):
+            q = queue_ms(load, r.waiting)
+            scored.append(_Score(load > limit, q + (total - hit) * pf, r.id, hit, load))
+            pull, pull_ms = self._pull(top - hit) if holder is not None else (0, 0.0)
+            if pull and load <= limit:
+                have = hit + pull
+                pulls.append(_Score(False, q + (total - have) * pf + pull_ms, r.id, have, load,
+                                    pull, pull_ms))  # fmt: skip
+        best = min(s.ttft for s in scored if not s.over)
+        best_pull = min((s.ttft for s in pulls), default=best)
+        if best_pull + tie < best:  # a pull must win by more than a tie (see the header)
+            ties = [s for s in pulls if s.ttft <= best_pull + tie]
+        else:
+            ties = [s for s in scored if not s.over and s.ttft <= best + tie]
         bound_id = self._sessions.peek(req.session_key) if req.session_key is not None else None
         chosen = _pick(ties, bound_id, req)
         hit = chosen.hit
-        rest = sorted((s for s in scored if s is not chosen), key=lambda s: (s.over, s.ttft))
+        rest = sorted((s for s in scored if s.id != chosen.id), key=lambda s: (s.over, s.ttft))
+        prefill_ms = (total - hit) * pf + chosen.pull_ms
         return Decision(
             replica=chosen.id,
             alternates=tuple(s.id for s in rest),
@@ -160,11 +202,32 @@ class CacheAware(BasePolicy):
             predicted_cached_tokens=hit,
             scores={
                 "ttft_ms": chosen.ttft,
-                "queue_ms": chosen.ttft - (total - hit) * pf,
-                "prefill_ms": (total - hit) * pf,
+                "queue_ms": chosen.ttft - prefill_ms,
+                "prefill_ms": prefill_ms,
                 "matched_blocks": float(matched.get(chosen.id, 0)),
+                "pull_ms": chosen.pull_ms,
             },
+            pull_from=holder if chosen.pull else None,
+            pull_tokens=chosen.pull,
         )
+
+    def _holder(
+        self, replicas: list, loads: list[int], hits: list[int]
+    ) -> tuple[str | None, int]:
+        """The least loaded replica with the longest hit, when migration is on and it matters."""
+        top = max(hits)
+        if not self._p.migrate or top < self._p.migrate_min_tokens:
+            return None, top
+        i = min((i for i, h in enumerate(hits) if h == top), key=loads.__getitem__)
+        return replicas[i].id, top
+
+    def _pull(self, missing: int) -> tuple[int, float]:
+        """(tokens to pull, transfer ms) for a replica ``missing`` tokens short of the holder."""
+        p = self._p
+        if missing < p.migrate_min_tokens:
+            return 0, 0.0
+        ms = p.transfer_overhead_ms + missing * p.transfer_ms_per_token
+        return (missing, ms) if ms < missing * p.prefill_ms_per_token else (0, 0.0)
 
     def on_dispatch(self, req: RequestFeatures, decision: Decision, view: ClusterView) -> None:
         if req.prefix_hashes:

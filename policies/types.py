@@ -62,13 +62,21 @@ class ClusterView:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """Where to send a request, where to retry, and why."""
+    """Where to send a request, where to retry, and why.
+
+    ``pull_from``: a migration hint -- the id of a replica holding more of the prompt's prefix
+    than ``replica`` does, from which ``replica`` should pull ``pull_tokens`` tokens of KV cache
+    instead of recomputing them (the gateway passes it on in ``kv_transfer_params``).
+    ``predicted_cached_tokens`` then counts the pulled tokens.
+    """
 
     replica: str
     alternates: tuple[str, ...] = ()
     reason: str = ""
     predicted_cached_tokens: int = 0
     scores: dict[str, float] = field(default_factory=dict, compare=False)
+    pull_from: str | None = None
+    pull_tokens: int = 0
 
     def candidates(self) -> tuple[str, ...]:
         return (self.replica, *self.alternates)

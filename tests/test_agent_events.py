@@ -110,3 +110,37 @@ def test_block_keys_use_the_shared_prefix_hash():
     assert block_keys(toks[:40] + [7] * 60, 16, "tiny")[2] != keys[2]
     assert block_keys(toks, 16, "tiny", salt="lora-a")[0] != keys[0]
     assert parents(keys[:3]) == [None, keys[0], keys[1]] and parents([]) == []
+
+
+def test_net_effect_states_each_change_once_root_first():
+    from worker_agent.events import net_effect
+
+    tail_first = [
+        BlockStored((3,), 2, (5, 6), 2, "GPU"),
+        BlockRemoved((9,), "GPU"),  # a victim demoted to make room
+        BlockStored((9,), None, (), 2, "CPU"),
+        BlockStored((2,), 1, (3, 4), 2, "GPU"),
+        BlockRemoved((3,), "GPU"),  # block 3 itself demoted later in the same operation
+        BlockStored((3,), 2, (5, 6), 2, "CPU"),
+        BlockStored((1,), None, (1, 2), 2, "GPU"),
+        BlockStored((7,), None, (), 2, "GPU"),  # placed, then dropped: a transient
+        BlockRemoved((7,), "GPU"),
+    ]
+    out = net_effect(tail_first)
+    assert out == [
+        BlockRemoved((9,), "GPU"),
+        BlockStored((9,), None, (), 2, "CPU"),
+        BlockStored((1,), None, (1, 2), 2, "GPU"),
+        BlockStored((2,), 1, (3, 4), 2, "GPU"),
+        BlockStored((3,), 2, (5, 6), 2, "CPU"),
+    ]
+    assert coalesce(out)[2] == BlockStored((1, 2), None, (1, 2, 3, 4), 2, "GPU")
+    multi = [
+        BlockStored((5, 6), 4, (1, 2, 3, 4), 2, "GPU"),
+        BlockStored((4,), None, (0, 0), 2, "GPU"),
+    ]
+    merged = BlockStored((4, 5, 6), None, (0, 0, 1, 2, 3, 4), 2, "GPU")
+    assert coalesce(net_effect(multi)) == [merged]
+    assert net_effect([AllBlocksCleared(), BlockStored((1,), None)]) == [
+        AllBlocksCleared(), BlockStored((1,), None),
+    ]

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from gateway.bench.loadgen import percentile
 from gateway.bench.tables import markdown_table, replace_block
 from gateway.bench.workloads import footprint, multi_turn, shared_prefix
@@ -64,3 +66,36 @@ def test_bench_routing_end_to_end(tmp_path):
         assert 0 < r["hit_rate"] <= r["ideal_hit_rate"] + 1e-9
     assert rows["oracle"]["hit_rate"] >= rows["kvgate/round_robin"]["hit_rate"]
     assert "| shared_prefix | oracle" in (out / "routing.md").read_text()
+
+
+def test_hot_prefix_workload_ramps_one_document_up_to_its_share():
+    from gateway.bench.workloads import hot_prefix
+
+    w = hot_prefix(requests=600)
+    assert [r.messages for r in w.requests] == [r.messages for r in hot_prefix(requests=600).requests]
+    keys = [r.key for r in w.requests]
+    early, late = keys[:60], keys[200:]
+    assert early.count("doc-0") < late.count("doc-0") * len(early) / len(late)  # still ramping
+    assert 0.68 < late.count("doc-0") / len(late) < 0.82  # hot_share 0.75 once ramped up
+    assert {k for k in keys if k != "doc-0"} <= {f"group-{g}" for g in range(16)}
+    rotating = hot_prefix(requests=600, hot_docs=3)
+    assert {r.key for r in rotating.requests[450:]} & {"doc-2"} and "doc-2" not in {
+        r.key for r in rotating.requests[:200]
+    }
+    assert footprint(w).ideal_hit_rate > 0.95
+
+
+def test_migrate_target_prices_pulls_like_the_replicas():
+    from gateway.bench.routing import MIGRATE, router_proc, target_names
+
+    assert MIGRATE in target_names("all")
+    sim_args = dict(prefill_ms_per_token=0.1, decode_ms_per_token=10, max_running=8,
+                    kv_bandwidth_gbps=100.0, kv_block_bytes=2 << 20)
+    argv = router_proc(MIGRATE, ["http://r0"], 1234, sim_args).argv
+    params = [argv[i + 1] for i, a in enumerate(argv) if a == "--policy-param"]
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert "migrate=true" in params
+    per_token = float(next(p for p in params if p.startswith("transfer_ms_per_token=")).split("=")[1])
+    assert per_token == pytest.approx(131072 / 12.5e9 * 1000, rel=1e-3)  # 128 KiB at 12.5 GB/s
+    plain = router_proc("kvgate/cache_aware", ["http://r0"], 1234, sim_args).argv
+    assert "migrate=true" not in plain

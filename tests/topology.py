@@ -67,3 +67,59 @@ def wait_ready(url: str, timeout: float = 60.0) -> None:
             last = exc
         time.sleep(0.1)
     raise TimeoutError(f"{url} not ready after {timeout}s: {last!r}")
+
+
+@dataclass
+class Cluster:
+    """Several gateways sharing state (one Redis, or one MemoryStore) in front of the same sims."""
+
+    base_urls: list[str]
+    replica_urls: list[str]
+    apps: list
+    groups: list[ServerGroup]  # one per gateway, then the sims
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return [u.split("://", 1)[1] for u in self.replica_urls]
+
+    async def stop_gateway(self, i: int) -> None:
+        await self.groups[i].stop()
+
+
+@contextlib.asynccontextmanager
+async def running_gateways(
+    gateways: int = 2, replicas: int = 3, sim_config=None, store=None, sync_settings=None,
+    **gateway_settings,
+) -> AsyncIterator[Cluster]:
+    """``replicas`` simulated replicas and ``gateways`` gateways sharing state, in this event loop.
+
+    Pass ``redis_url=...`` (a gateway setting) for Redis, or ``store=`` one shared store object.
+    """
+    from gateway.sim.config import SimConfig
+
+    sim_config = sim_config or SimConfig()
+    host = "127.0.0.1"
+    first = free_port_block(replicas)
+    sims = ServerGroup(sim_specs(replicas, host, first, sim_config))
+    await sims.start()
+    urls = [f"http://{host}:{first + i}" for i in range(replicas)]
+    groups: list[ServerGroup] = []
+    apps = []
+    bases = []
+    try:
+        for i in range(gateways):
+            cfg = GatewayConfig(
+                host=host, port=free_port(), replicas=tuple(ReplicaConfig(u) for u in urls),
+                log_level="warning", gateway_id=f"gw{i}", **gateway_settings,
+            ).validate()
+            spec = gateway_spec(cfg, store=store, sync_settings=sync_settings)
+            group = ServerGroup([spec])
+            await group.start()
+            groups.append(group)
+            apps.append(spec.app)
+            bases.append(f"http://{host}:{cfg.port}")
+        yield Cluster(bases, urls, apps, [*groups, sims])
+    finally:
+        for group in groups:
+            await group.stop()
+        await sims.stop()

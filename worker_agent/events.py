@@ -149,6 +149,54 @@ def zmq_frames(topic: bytes, seq: int, payload: bytes) -> tuple[bytes, bytes, by
     return topic, seq.to_bytes(8, "big"), payload
 
 
+def _split(ev: BlockStored) -> list[BlockStored]:
+    """One event per block (token ids cut per block when they are ``block_size`` each)."""
+    n = len(ev.block_hashes)
+    per = ev.block_size if ev.block_size and len(ev.token_ids) == n * ev.block_size else 0
+    out, parent = [], ev.parent_block_hash
+    for i, key in enumerate(ev.block_hashes):
+        toks = ev.token_ids[i * per : (i + 1) * per] if per else (ev.token_ids if n == 1 else ())
+        out.append(BlockStored((key,), parent, toks, ev.block_size, ev.medium, ev.lora_id))
+        parent = key
+    return out
+
+
+def net_effect(events: Sequence[Event]) -> list[Event]:
+    """The same change of state said once, with every stored parent before its children.
+
+    Per (block, medium) the stores and removals of ``events`` add up to +1 (stored), -1
+    (removed) or 0 (a transient: e.g. placed, then demoted within one operation).  The result
+    lists the removals first (in their order), then the stores, each block after its parent when
+    both are stored, so a chain put tail-first still reads root-first (and ``coalesce`` can merge
+    it into one event).  A batch that clears everything is returned as it is.
+    """
+    if any(isinstance(e, AllBlocksCleared) for e in events):
+        return list(events)
+    delta: dict[tuple[int, str | None], int] = {}
+    last: dict[tuple[int, str | None], BlockStored] = {}
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            for one in _split(ev):
+                slot = (one.block_hashes[0], one.medium)
+                delta[slot] = delta.get(slot, 0) + 1
+                last[slot] = one
+        elif isinstance(ev, BlockRemoved):
+            for key in ev.block_hashes:
+                slot = (key, ev.medium)
+                delta[slot] = delta.get(slot, 0) - 1
+    out: list[Event] = [BlockRemoved((k,), m) for (k, m), d in delta.items() if d < 0]
+    stored = {slot[0]: last[slot] for slot, d in delta.items() if d > 0}
+    done: set[int] = set()
+    for key in stored:
+        path = []
+        while key in stored and key not in done:  # climb to the first ancestor not yet out
+            done.add(key)
+            path.append(stored[key])
+            key = stored[key].parent_block_hash
+        out.extend(reversed(path))
+    return out
+
+
 def coalesce(events: Sequence[Event]) -> list[Event]:
     """Merge runs that vLLM would have sent as one event.
 

@@ -12,8 +12,10 @@ Contracts.
   They stay valid after the block moves or leaves (the store drops its reference, nothing more).
 * Chains: ``put_blocks`` and ``get_prefix`` touch blocks from the last to the first, so a prefix's
   root is the most recently used and its tail is demoted first (a tail is useless without its root).
-* Every public operation reports its state changes once, in order, to ``on_events`` as a list of
-  ``events.BlockStored`` / ``events.BlockRemoved`` (coalesced).  The callback runs under the store
+* Every public operation reports its state changes once to ``on_events`` as a list of
+  ``events.BlockStored`` / ``events.BlockRemoved``: the operation's net effect
+  (``events.net_effect``: removals first, then stores with a parent before its children, so a
+  chain put tail-first still reads root-first), coalesced.  The callback runs under the store
   lock: it must be quick (enqueue) and must not call the store.
 * A block whose disk copy is unreadable or corrupt is dropped (``stats.lost``) and reads as a miss.
 * Thread-safe: one lock around every public method.
@@ -31,7 +33,7 @@ import torch
 
 from .blockfmt import DTYPE_CODES, MAX_DIMS, Block, BlockHeader, checksum, header_for, payload_view
 from .errors import AgentError
-from .events import BlockRemoved, BlockStored, Event, coalesce
+from .events import BlockRemoved, BlockStored, Event, coalesce, net_effect
 from .placement import Placement, PlacementStats, Step, StepKind, TierCounters
 from .tiers import BlockMeta, Copier, DiskTier, MemoryTier, cuda_available
 
@@ -366,4 +368,4 @@ class KVBlockStore:
 
     def _emit(self, events: list[Event]) -> None:
         if events and self._on_events is not None:
-            self._on_events(coalesce(events))
+            self._on_events(coalesce(net_effect(events)))

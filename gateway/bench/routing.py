@@ -3,7 +3,9 @@
 One run: for each workload, start simulated replicas (cache per replica = ``--cache-fraction`` of
 the workload's distinct prefix blocks), then for each target start the router, warm it up, reset
 the replicas' caches and counters, replay the workload's script (the same arrivals for everyone),
-and stop it.  Targets: every kvgate policy, ``sglang-router`` (cache_aware), ``vllm-router``
+and stop it.  Targets: every kvgate policy, ``kvgate/cache_aware+migrate`` (cache_aware with
+``migrate=true``: a spill pulls the holder's KV blocks, priced from the replicas' transfer knobs
+``--kv-bandwidth-gbps`` / ``--kv-block-bytes``), ``sglang-router`` (cache_aware), ``vllm-router``
 (cache_aware, consistent_hash, sticky_least_loaded) when installed, and an oracle that hashes the
 group/session straight to a replica (the best reachable hit rate with perfect affinity).
 """
@@ -28,6 +30,8 @@ from .tables import markdown_table, replace_block
 from .workloads import WORKLOADS, BenchRequest, Workload, footprint
 
 KVGATE_POLICIES = ("round_robin", "least_load", "session", "prefix", "cache_aware")
+MIGRATE = "kvgate/cache_aware+migrate"
+SIM_BLOCK_TOKENS = 16
 PEERS = {
     "sglang-router/cache_aware": ("sglang-router", "cache_aware"),
     "vllm-router/cache_aware": ("vllm-router", "cache_aware"),
@@ -60,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     p.add_argument("--decode-ms-per-token", type=float, default=10.0)
     p.add_argument("--max-running", type=int, default=8)
+    p.add_argument("--kv-bandwidth-gbps", type=float, default=100.0,
+                   help="replica-to-replica KV bandwidth of the simulated replicas, Gbit/s")
+    p.add_argument("--kv-block-bytes", type=int, default=2 << 20,
+                   help="KV bytes of one 16-token block (default 2 MiB: an 8B model)")
     p.add_argument("--cache-fraction", type=float, default=1 / 3,
                    help="per-replica cache as a fraction of the workload's distinct blocks")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
@@ -68,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def target_names(requested: str) -> list[str]:
-    names = [f"kvgate/{p}" for p in KVGATE_POLICIES]
+    names = [f"kvgate/{p}" for p in KVGATE_POLICIES] + [MIGRATE]
     names += [n for n, (tool, _) in PEERS.items() if find_tool(tool)]
     names.append("oracle")
     if requested == "all":
@@ -85,7 +93,7 @@ def router_proc(name: str, urls: list[str], port: int, sim_args: dict) -> Proc |
     if name == "oracle":
         return None
     if name.startswith("kvgate/"):
-        policy = name.split("/", 1)[1]
+        policy = name.split("/", 1)[1].split("+", 1)[0]
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--policy", policy,
                 "--log-level", "warning"]
         for u in urls:
@@ -94,6 +102,12 @@ def router_proc(name: str, urls: list[str], port: int, sim_args: dict) -> Proc |
             argv += ["--policy-param", f"prefill_ms_per_token={sim_args['prefill_ms_per_token']}",
                      "--policy-param", f"decode_ms_per_token={sim_args['decode_ms_per_token']}",
                      "--policy-param", f"max_running={sim_args['max_running']}"]
+        if name == MIGRATE:  # price a pull as the replicas will: bytes per token over the link
+            per_token = sim_args["kv_block_bytes"] / SIM_BLOCK_TOKENS
+            ms = per_token / (sim_args["kv_bandwidth_gbps"] * 1e9 / 8) * 1000
+            argv += ["--policy-param", "migrate=true",
+                     "--policy-param", f"transfer_ms_per_token={ms:.6f}",
+                     "--policy-param", "transfer_overhead_ms=2"]
         return Proc(name.replace("/", "_"), argv, ready)
     tool, policy = PEERS[name]
     exe = find_tool(tool)
@@ -185,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
     targets = target_names(args.targets)
     rows: list[Row] = []
     sim_args = dict(prefill_ms_per_token=args.prefill_ms_per_token, decode_ms_per_token=args.decode_ms_per_token,
-                    max_running=args.max_running)
+                    max_running=args.max_running, kv_bandwidth_gbps=args.kv_bandwidth_gbps,
+                    kv_block_bytes=args.kv_block_bytes)
     log_dir = os.path.join(args.out, "logs")
     for wname in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         if wname not in WORKLOADS:
@@ -198,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
             sys.executable, "-m", "gateway.cli", "sim", "--replicas", str(args.replicas), "--port", str(first),
             "--cache-blocks", str(cache_blocks), "--max-running", str(args.max_running),
             "--prefill-ms-per-token", str(args.prefill_ms_per_token),
-            "--decode-ms-per-token", str(args.decode_ms_per_token)],
+            "--decode-ms-per-token", str(args.decode_ms_per_token),
+            "--kv-bandwidth-gbps", str(args.kv_bandwidth_gbps), "--kv-block-bytes", str(args.kv_block_bytes)],
             f"http://127.0.0.1:{first + args.replicas - 1}/health")
         urls = [f"http://127.0.0.1:{first + i}" for i in range(args.replicas)]
         print(f"{wname}: {len(workload.requests)} requests over {workload.duration_s:.0f}s, "

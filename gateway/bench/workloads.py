@@ -3,6 +3,12 @@
 * ``shared_prefix``: SGLang's generated-shared-prefix shape.  ``groups`` long system prompts,
   ``prompts_per_group`` short questions each; requests arrive as a Poisson process and pick their
   group by Zipf popularity (exponent ``zipf``).
+* ``hot_prefix``: one very popular long document (a shared system prompt, a manual) takes
+  ``hot_share`` of the traffic, the rest is a Zipf tail of shorter system prompts.  Its popularity
+  ramps up over the first ``ramp`` requests, so it first lands on one replica and then grows past
+  what that replica can serve: its holder must spill.  With ``hot_docs`` > 1 the hot document
+  changes ``hot_docs - 1`` times (a new release, a trending page), each new one taking over from
+  the previous over ``ramp`` requests.
 * ``multi_turn``: chat sessions that resend the whole growing conversation.  Sessions are picked by
   Zipf popularity; a session's next turn is sent only after its previous answer arrived (the
   answer is the simulator's deterministic text, so the whole script is known in advance).
@@ -112,6 +118,36 @@ def multi_turn(
     return Workload("multi_turn", out, params=params)
 
 
+def hot_prefix(
+    *, hot_docs: int = 1, doc_words: int = 4000, hot_share: float = 0.75, tail_groups: int = 16,
+    tail_words: int = 400, question_words: int = 16, rate: float = 40.0, requests: int = 800,
+    zipf: float = 1.0, max_tokens: int = 32, ramp: int = 120, seed: int = 3,
+) -> Workload:
+    rng = random.Random(seed)
+    docs = [f"[document {d}] " + _text(rng, doc_words) for d in range(hot_docs)]
+    tails = [f"[group {g}] " + _text(rng, tail_words) for g in range(tail_groups)]
+    weights = _zipf_weights(tail_groups, zipf)
+    period = max(1, -(-requests // hot_docs))
+    t = 0.0
+    out = []
+    for i in range(requests):
+        t += rng.expovariate(rate)
+        question = {"role": "user", "content": _text(rng, question_words) + "?"}
+        d = min(i // period, hot_docs - 1)
+        if rng.random() * ramp > i - d * period:  # still ramping up: the previous one, if any
+            d -= 1
+        if d >= 0 and rng.random() < hot_share:
+            msgs, key = ({"role": "system", "content": docs[d]}, question), f"doc-{d}"
+        else:
+            g = rng.choices(range(tail_groups), weights)[0]
+            msgs, key = ({"role": "system", "content": tails[g]}, question), f"group-{g}"
+        out.append(BenchRequest(i, t, msgs, max_tokens, key=key))
+    params = dict(hot_docs=hot_docs, doc_words=doc_words, hot_share=hot_share,
+                  tail_groups=tail_groups, tail_words=tail_words, rate=rate, requests=requests,
+                  zipf=zipf, max_tokens=max_tokens, ramp=ramp)
+    return Workload("hot_prefix", out, params=params)
+
+
 @dataclass(frozen=True)
 class CacheFootprint:
     ideal_hit_rate: float
@@ -139,4 +175,4 @@ def footprint(workload: Workload, block_size: int = 16) -> CacheFootprint:
     return CacheFootprint(cached / total if total else 0.0, len(seen), total)
 
 
-WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn}
+WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn, "hot_prefix": hot_prefix}

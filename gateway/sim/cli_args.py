@@ -54,6 +54,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser, *, server_options: bool =
     g.add_argument(
         "--instant", action="store_true", help="zero prefill and decode time (benchmark backend)"
     )
+    k = parser.add_argument_group("KV pulls from peers (kv_transfer_params.kvgate_pull_from)")
+    k.add_argument("--kv-bandwidth-gbps", type=float, default=_D.kv_bandwidth_gbps,
+                   help="replica-to-replica KV bandwidth, Gbit/s (0: never pull)")
+    k.add_argument("--kv-block-bytes", type=int, default=_D.kv_block_bytes,
+                   help="KV bytes of one block (default 2 MiB: 8B model, 16 tokens)")
+    k.add_argument("--kv-pull-overhead-ms", type=float, default=_D.kv_pull_overhead_s * 1000,
+                   help="fixed cost of one pull, ms")
     f = parser.add_argument_group("faults (also settable at runtime: POST /sim/faults)")
     f.add_argument("--error-rate", type=float, default=0.0, help="fraction answered 503")
     f.add_argument("--hang", action="store_true", help="never answer completion requests")
@@ -84,4 +91,7 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         default_max_tokens=args.default_max_tokens,
         faults=faults,
         seed=args.seed,
+        kv_bandwidth_gbps=args.kv_bandwidth_gbps,
+        kv_block_bytes=args.kv_block_bytes,
+        kv_pull_overhead_s=args.kv_pull_overhead_ms / 1000,
     )

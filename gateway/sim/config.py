@@ -69,6 +69,10 @@ class SimConfig:
     default_max_tokens: int = 16  # output length when the client sets no limit
     faults: SimFaults = field(default_factory=SimFaults)
     seed: int = 0  # seeds the fault RNG
+    # KV pulls from a peer replica (``kv_transfer_params``, see gateway.sim.kvpull)
+    kv_bandwidth_gbps: float = 100.0  # link between replicas, Gbit/s (0: never pull)
+    kv_block_bytes: int = 2 << 20  # KV bytes of one block (8B model, 16 tokens: 2 MiB)
+    kv_pull_overhead_s: float = 0.002  # fixed cost of one pull (connect, lookup, setup)
     name: str = ""  # replica name, reported in the x-sim-replica header and /sim/state
 
     def __post_init__(self) -> None:
@@ -82,7 +86,10 @@ class SimConfig:
             raise ValueError("max_running must be >= 1")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
-        for name in ("prefill_s_per_token", "decode_s_per_token"):
+        if self.kv_block_bytes < 0:
+            raise ValueError("kv_block_bytes must be >= 0")
+        for name in ("prefill_s_per_token", "decode_s_per_token", "kv_bandwidth_gbps",
+                     "kv_pull_overhead_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0")

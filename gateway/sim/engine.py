@@ -5,6 +5,7 @@ arithmetic live in :mod:`gateway.sim.model`.  A request's life, as the HTTP laye
 
     job = await engine.admit(prompt)       # waits for a slot (FIFO), looks the prefix up
     try:
+        await engine.pull(job, peer)       # optional: blocks a peer holds (kvpull)
         await engine.prefill(job)          # sleeps for the uncached tokens -> first token
         for _ in range(n - 1):
             await engine.decode(job)       # one more token
@@ -26,7 +27,15 @@ from policies.hashing import model_seed
 
 from .clock import Clock, LoopClock
 from .config import SimConfig, SimFaults
-from .model import PrefixCache, PromptBlocks, blocks_held, cached_tokens, prefill_seconds
+from .kvpull import Inflight, PeerHoldings, make_planner
+from .model import (
+    PrefixCache,
+    PromptBlocks,
+    blocks_held,
+    cached_tokens,
+    max_cacheable_blocks,
+    prefill_seconds,
+)
 from .tokenizer import encode_segments
 
 
@@ -42,6 +51,11 @@ class SimStats:
     generation_tokens: int = 0
     prefix_queries: int = 0  # tokens looked up
     prefix_hits: int = 0  # tokens found
+    kv_pulls: int = 0  # pulls from a peer (see kvpull)
+    kv_pulled_tokens: int = 0
+    kv_pull_skipped: int = 0  # a peer held blocks, but recomputing was cheaper
+    kv_pull_errors: int = 0  # the peer could not be asked
+    kv_lookups: int = 0  # lookups served to peers
 
 
 class Job:
@@ -50,6 +64,7 @@ class Job:
     __slots__ = (
         "prompt",
         "cached_tokens",
+        "pulled_tokens",
         "produced",
         "held_blocks",
         "queued_at",
@@ -61,7 +76,8 @@ class Job:
 
     def __init__(self, prompt: PromptBlocks, queued_at: float) -> None:
         self.prompt = prompt
-        self.cached_tokens = 0
+        self.cached_tokens = 0  # includes pulled_tokens
+        self.pulled_tokens = 0
         self.produced = 0
         self.held_blocks = 0
         self.queued_at = queued_at
@@ -91,6 +107,8 @@ class SimEngine:
         self._running = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._held_blocks = 0
+        self.planner = make_planner(config)  # None: this replica never pulls
+        self.inflight = Inflight()  # blocks being computed or pulled here
 
     # -- prompts ---------------------------------------------------------------------------
 
@@ -151,13 +169,77 @@ class SimEngine:
         self._held_blocks += job.held_blocks
         return job
 
+    def holdings(self, hashes: Sequence[int]) -> tuple[int, int, float]:
+        """(blocks held, blocks held once in-flight work lands, seconds until then): a lookup."""
+        held = self.cache.match(hashes)
+        pending, ready = self.inflight.run(hashes, held)
+        return held, held + pending, max(0.0, ready - self.clock.now()) if pending else 0.0
+
+    async def pull(self, job: Job, peer: PeerHoldings) -> int:
+        """Bring leading blocks a peer holds (now, or after its work in flight) if it saves time."""
+        if self.planner is None:
+            return 0
+        bs = self.config.block_size
+        limit = max_cacheable_blocks(job.prompt.n_tokens, bs)
+        have = job.cached_tokens // bs
+        now = self.clock.now()
+        best = None
+        for blocks, wait in ((peer.blocks, 0.0), (peer.pending, max(0.0, peer.ready_at - now))):
+            want = min(blocks, limit) - have
+            if want > 0:
+                d = self.planner.decide(want, want * bs)
+                saved = d.recompute_s - d.transfer_s - wait
+                if best is None or saved > best[0]:
+                    best = (saved, want, wait, d)
+        if best is None:
+            return 0
+        saved, want, wait, d = best
+        if saved <= 0:
+            self.stats.kv_pull_skipped += 1
+            return 0
+        hashes = job.prompt.hashes[have : have + want]
+        self.inflight.add(hashes, now + wait + d.transfer_s, job, pulled=True)
+        try:
+            await self.clock.sleep(wait + d.transfer_s)
+        finally:
+            self.inflight.done(hashes, job)
+        self.planner.observe_transfer(d.bytes, d.transfer_s)
+        self.cache.insert(job.prompt.hashes[: have + want])
+        tokens = want * bs
+        job.cached_tokens += tokens
+        job.pulled_tokens = tokens
+        self.stats.kv_pulls += 1
+        self.stats.kv_pulled_tokens += tokens
+        return tokens
+
+    async def _await_pulls(self, job: Job) -> None:
+        """Blocks this job lacks that another request is pulling here: wait for them."""
+        bs = self.config.block_size
+        have = job.cached_tokens // bs
+        n, ready = self.inflight.run(job.prompt.hashes, have, pulled_only=True)
+        if not n:
+            return
+        await self.clock.sleep(max(0.0, ready - self.clock.now()))
+        limit = max_cacheable_blocks(job.prompt.n_tokens, bs)
+        more = self.cache.match(job.prompt.hashes[:limit]) * bs - job.cached_tokens
+        if more > 0:
+            job.cached_tokens += more
+            self.stats.prefix_hits += more
+
     async def prefill(self, job: Job) -> None:
         """Compute the uncached prompt tokens; afterwards the first output token exists."""
-        seconds = prefill_seconds(
-            job.prompt.n_tokens - job.cached_tokens, self.config.prefill_s_per_token
-        )
+        await self._await_pulls(job)
+        uncached = job.prompt.n_tokens - job.cached_tokens
+        seconds = prefill_seconds(uncached, self.config.prefill_s_per_token)
         if seconds > 0:
-            await self.clock.sleep(seconds)
+            computing = job.prompt.hashes[job.cached_tokens // self.config.block_size :]
+            self.inflight.add(computing, self.clock.now() + seconds, job, pulled=False)
+            try:
+                await self.clock.sleep(seconds)
+            finally:
+                self.inflight.done(computing, job)
+            if self.planner is not None:
+                self.planner.observe_prefill(uncached, seconds)
         self.cache.insert(job.prompt.hashes)
         self.stats.prompt_tokens += job.prompt.n_tokens
         job.first_token_at = self.clock.now()
@@ -200,11 +282,15 @@ class SimEngine:
                 return
         self._running -= 1
 
-    async def complete(self, prompt: PromptBlocks, n_tokens: int) -> Job:
-        """Run a whole request (admission, prefill, ``n_tokens`` tokens) and return its job."""
+    async def complete(
+        self, prompt: PromptBlocks, n_tokens: int, peer: PeerHoldings | None = None
+    ) -> Job:
+        """Run a whole request (admission, pull, prefill, ``n_tokens`` tokens); returns its job."""
         job = await self.admit(prompt)
         completed = False
         try:
+            if peer is not None:
+                await self.pull(job, peer)
             await self.prefill(job)
             for _ in range(n_tokens - 1):
                 await self.decode(job)
@@ -234,6 +320,7 @@ class SimEngine:
         self.cache.evictions = 0
         self.stats = SimStats()
         self._rng.seed(self.config.seed)
+        self.planner = make_planner(self.config)
 
     def state(self) -> dict[str, object]:
         cfg = self.config

@@ -67,6 +67,7 @@ class CompletionRequest:
     limited: bool  # the client set max_tokens / max_completion_tokens
     stream: bool
     include_usage: bool
+    kv_params: object = None  # ``kv_transfer_params`` as sent (see kvpull)
 
 
 def _positive_int(body: dict, key: str) -> int | None:
@@ -129,6 +130,7 @@ def parse_request(body: bytes, *, chat: bool, default_max_tokens: int) -> Comple
         limited=limit is not None,
         stream=bool(stream),
         include_usage=include_usage,
+        kv_params=data.get("kv_transfer_params"),
     )
 
 

@@ -5,6 +5,10 @@ Routes::
     POST /v1/chat/completions, POST /v1/completions   (JSON, or SSE with "stream": true)
     GET  /v1/models, GET /health, GET /metrics          (Prometheus text, vLLM names)
     GET  /sim/state, GET|POST /sim/faults, POST /sim/reset
+    POST /sim/kv/lookup   {"hashes": [...]} -> {"blocks": leading blocks held, ...} (kvpull)
+
+A request's ``kv_transfer_params`` may ask the replica to pull KV blocks from a peer first
+(:mod:`.kvpull`); ``peer_lookup`` (default: HTTP) is how it asks the peer what it holds.
 
 When the replica has timing costs or a fault that waits (hang, stall) the request runs in a child
 task while the handler watches for the client's disconnect and cancels it (freeing the slot, as
@@ -24,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from . import kvpull
 from .config import SimConfig
 from .engine import SimEngine
 from .model import PromptBlocks, output_pieces
@@ -106,9 +111,13 @@ async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -
 class SimApp:
     """One simulated replica.  ``engine`` is public for tests and in-process inspection."""
 
-    def __init__(self, config: SimConfig, clock: Any = None) -> None:
+    def __init__(
+        self, config: SimConfig, clock: Any = None, peer_lookup: kvpull.PeerLookup | None = None
+    ) -> None:
         self.config = config
         self.engine = SimEngine(config, clock)
+        self._http_lookup = kvpull.HttpPeerLookup() if peer_lookup is None else None
+        self._lookup: kvpull.PeerLookup = peer_lookup or self._http_lookup
         self._ids = itertools.count(1)
         self._id_tag = os.urandom(3).hex()
         extra = [(b"x-sim-replica", config.name.encode())] if config.name else []
@@ -137,6 +146,7 @@ class SimApp:
             "/sim/state": {"GET": self._state},
             "/sim/faults": {"GET": self._get_faults, "POST": self._set_faults},
             "/sim/reset": {"POST": self._reset},
+            "/sim/kv/lookup": {"POST": self._kv_lookup},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -161,6 +171,8 @@ class SimApp:
                 if msg["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
+                    if self._http_lookup is not None:
+                        await self._http_lookup.aclose()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
@@ -212,6 +224,18 @@ class SimApp:
         self.engine.reset()
         await self._send(send, 200, orjson.dumps(self.engine.state()))
 
+    async def _kv_lookup(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            return
+        try:
+            reply = kvpull.lookup_reply(body, self.engine.holdings, self.config)
+        except ApiError as err:
+            await self._error(send, err)
+            return
+        self.engine.stats.kv_lookups += 1
+        await self._send(send, 200, reply)
+
     # -- completions -------------------------------------------------------------------------
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -230,6 +254,7 @@ class SimApp:
             req = parse_request(body, chat=chat, default_max_tokens=cfg.default_max_tokens)
             if req.model is not None and req.model != cfg.model:
                 raise model_not_found(req.model)
+            hint = kvpull.parse_pull_hint(req.kv_params)
             if engine.draw_error():
                 raise simulated_overload()
         except ApiError as err:
@@ -246,9 +271,9 @@ class SimApp:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self._id_tag}{next(self._ids):x}"
         created = int(time.time())
         if req.stream:
-            work = self._stream(req, prompt, rid, created, send)
+            work = self._stream(req, prompt, rid, created, send, hint)
         else:
-            work = self._respond(req, prompt, rid, created, send)
+            work = self._respond(req, prompt, rid, created, send, hint)
         if cfg.instant and faults.stall_after_chunks is None:
             await work
         else:
@@ -268,20 +293,30 @@ class SimApp:
             raise SimulatedDisconnect("close_after_chunks fault")
         await _forever()
 
+    async def _peer(self, hint: kvpull.PullHint | None, prompt: PromptBlocks):
+        if hint is None:
+            return None
+        return await kvpull.peer_holdings(self._lookup, hint, prompt, self.engine)
+
+    def _headers(self, base: list, hint: kvpull.PullHint | None, pulled: int) -> list:
+        return base if hint is None else [*base, (b"x-sim-pulled-tokens", b"%d" % pulled)]
+
     async def _respond(
-        self, req: CompletionRequest, prompt: PromptBlocks, rid: str, created: int, send: Send
+        self, req: CompletionRequest, prompt: PromptBlocks, rid: str, created: int, send: Send,
+        hint: kvpull.PullHint | None = None,
     ) -> None:
         n = req.max_tokens
-        job = await self.engine.complete(prompt, n)
+        job = await self.engine.complete(prompt, n, await self._peer(hint, prompt))
+        headers = self._headers(self._json_headers, hint, job.pulled_tokens)
         text = "".join(output_pieces(req.prompt_text, n))
         use = usage(job.prompt_tokens, job.cached_tokens, n)
         body = completion_body(
             req, rid, created, self.config.model, text, "length" if req.limited else "stop", use
         )
         if self._cut_budget() is None:
-            await self._send(send, 200, body)
+            await self._send(send, 200, body, headers)
             return
-        hdrs = [*self._json_headers, (b"content-length", b"%d" % len(body))]
+        hdrs = [*headers, (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 200, "headers": hdrs})
         await send(
             {"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True}
@@ -289,13 +324,17 @@ class SimApp:
         await self._break()
 
     async def _stream(
-        self, req: CompletionRequest, prompt: PromptBlocks, rid: str, created: int, send: Send
+        self, req: CompletionRequest, prompt: PromptBlocks, rid: str, created: int, send: Send,
+        hint: kvpull.PullHint | None = None,
     ) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self._sse_headers})
+        budget = self._cut_budget()
+        pull = hint is not None and budget != 0  # the headers wait for it (x-sim-pulled-tokens)
+        if not pull:
+            await send({"type": "http.response.start", "status": 200, "headers": self._sse_headers})
+        peer = await self._peer(hint, prompt) if pull else None
         engine = self.engine
         writer = ChunkWriter(req, rid, created, self.config.model)
         pieces = output_pieces(req.prompt_text, req.max_tokens)
-        budget = self._cut_budget()
         flush_each = self.config.decode_s_per_token > 0
         buf: list[bytes] = []
 
@@ -319,6 +358,10 @@ class SimApp:
             job = await engine.admit(prompt)
             completed = False
             try:
+                if pull:
+                    await engine.pull(job, peer)
+                    hdrs = self._headers(self._sse_headers, hint, job.pulled_tokens)
+                    await send({"type": "http.response.start", "status": 200, "headers": hdrs})
                 await engine.prefill(job)
                 if req.chat:
                     emit(writer.role())
@@ -346,6 +389,8 @@ class SimApp:
         await send({"type": "http.response.body", "body": b"".join(buf), "more_body": False})
 
 
-def build_sim_app(config: SimConfig | None = None, clock: Any = None) -> SimApp:
+def build_sim_app(
+    config: SimConfig | None = None, clock: Any = None, peer_lookup: kvpull.PeerLookup | None = None
+) -> SimApp:
     """An ASGI app simulating one replica (``clock``: see :mod:`gateway.sim.clock`)."""
-    return SimApp(config if config is not None else SimConfig(), clock)
+    return SimApp(config if config is not None else SimConfig(), clock, peer_lookup)

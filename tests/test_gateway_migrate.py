@@ -1,0 +1,72 @@
+"""Migration through the gateway: a spill away from a busy holder carries ``kv_transfer_params``
+and the simulated replica pulls the prefix from the holder instead of recomputing it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+
+from gateway.kvhints import pull_hint_body
+from gateway.sim.config import SimConfig
+from policies.types import Decision
+from tests.topology import running_topology
+
+CHAT = "/v1/chat/completions"
+DOC = "A long shared document about caches and replicas. " * 120
+
+
+def body(question: str, **extra) -> dict:
+    msgs = [{"role": "system", "content": DOC}, {"role": "user", "content": question}]
+    return {"model": "tiny", "messages": msgs, "max_tokens": 4, **extra}
+
+
+class Pool:
+    def __init__(self, urls: dict[str, str]) -> None:
+        self.urls = urls
+
+    def get(self, rid: str):
+        url = self.urls.get(rid)
+        return None if url is None else type("R", (), {"url": url})()
+
+
+def test_pull_hint_body_merges_into_kv_transfer_params():
+    pool = Pool({"a": "http://a:1/", "b": "http://b:2"})
+    parsed = {"model": "m", "kv_transfer_params": {"do_remote_decode": True}}
+    out = pull_hint_body(parsed, Decision("b", pull_from="a", pull_tokens=640), pool)
+    assert orjson.loads(out)["kv_transfer_params"] == {
+        "do_remote_decode": True, "kvgate_pull_from": "http://a:1", "kvgate_pull_tokens": 640,
+    }  # fmt: skip
+    assert parsed["kv_transfer_params"] == {"do_remote_decode": True}  # not mutated
+    assert pull_hint_body({"model": "m"}, Decision("b"), pool) is None  # no hint: body as is
+    assert pull_hint_body({"model": "m"}, Decision("b", pull_from="zz"), pool) is None  # unknown
+    assert pull_hint_body({"model": "m"}, Decision("b", pull_from="b"), pool) is None  # itself
+
+
+async def test_spill_from_a_busy_holder_pulls_the_prefix():
+    params = dict(
+        migrate=True, max_running=1, avg_output_tokens=100, decode_ms_per_token=20,
+        migrate_min_tokens=64, load_slack=100,
+    )  # fmt: skip
+    sim = SimConfig(prefill_s_per_token=0.0002, decode_s_per_token=0.0)
+    async with running_topology(2, sim, policy="cache_aware", policy_params=params) as topo:
+        async with httpx.AsyncClient(base_url=topo.base_url, timeout=10) as c:
+            first = await c.post(CHAT, json=body("first?"))
+            holder = first.headers["x-kvgate-replica"]
+            holder_url = next(u for u in topo.replica_urls if holder in u)
+            async with httpx.AsyncClient() as direct:  # the holder's next request never ends
+                await direct.post(holder_url + "/sim/faults", json={"hang": True})
+            busy = asyncio.create_task(c.post(CHAT, json=body("first?")))
+            for _ in range(500):  # until the gateway counts the hanging request in flight
+                reps = (await c.get("/admin/replicas")).json()["replicas"]
+                if {r["id"]: r["in_flight"] for r in reps}[holder] == 1:
+                    break
+            spill = await c.post(CHAT, json=body("second?"))
+            busy.cancel()
+    assert first.status_code == 200 and spill.status_code == 200
+    assert spill.headers["x-kvgate-replica"] != holder
+    assert spill.headers["x-kvgate-reason"] == "migrate"
+    pulled = int(spill.headers["x-sim-pulled-tokens"])
+    assert pulled > 0
+    assert spill.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == pulled

@@ -1,0 +1,120 @@
+"""``cache_aware`` with migration: spill away from an overloaded holder, pull its prefix along."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies import ClusterView, PolicyDeps, PrefixIndex, ReplicaState, RequestFeatures
+from policies import default_registry as registry
+from policies.errors import PolicyConfigError
+from policies.hashing import chain_hashes
+from policies.sessions import SessionTable
+
+TPH = 64
+PF = 0.1  # ms per prefill token (the default)
+# slot = 16 * 20 / 4 = 80 ms per request ahead once 4 are running
+QUEUE = dict(max_running=4, avg_output_tokens=16, decode_ms_per_token=20, busy_ms_per_request=2)
+
+
+def doc(name: str, n: int) -> tuple[int, ...]:
+    return tuple(chain_hashes([f"{name}{i}".encode() for i in range(n)], 5))
+
+
+def view(*loads: int) -> ClusterView:
+    return ClusterView(tuple(ReplicaState(f"r{i}", in_flight=x) for i, x in enumerate(loads)))
+
+
+def feat(hashes: tuple[int, ...]) -> RequestFeatures:
+    return RequestFeatures("m", hashes, TPH, len(hashes) * TPH)
+
+
+def build(**params: object):
+    clock = lambda: 0.0  # noqa: E731
+    deps = PolicyDeps(clock=clock, index=PrefixIndex(), sessions=SessionTable(clock=clock))
+    deps.index.insert("r0", doc("a", 100))  # r0 holds 6400 tokens of the document
+    return registry().build("cache_aware", {**QUEUE, **params}, deps), deps
+
+
+def test_default_is_unchanged_and_never_hints():
+    pol, _ = build(load_slack=100)  # no bound: only the TTFT model decides
+    d = pol.select(feat(doc("a", 101)), view(12, 0, 0))  # r0: 9 ahead = 720 ms; others 640 ms
+    assert d.replica != "r0" and d.reason == "load-fallback"
+    assert d.pull_from is None and d.pull_tokens == 0 and d.predicted_cached_tokens == 0
+
+
+def test_spill_pulls_from_the_overloaded_holder():
+    pol, _ = build(migrate=True, load_slack=100)
+    req = feat(doc("a", 101))
+    d = pol.select(req, view(12, 0, 3))
+    assert d.replica == "r1" and d.reason == "migrate"
+    assert d.pull_from == "r0" and d.pull_tokens == 100 * TPH
+    assert d.predicted_cached_tokens == 100 * TPH
+    pull_ms = 2.0 + 100 * TPH * 0.01
+    assert d.scores["pull_ms"] == pytest.approx(pull_ms)
+    assert d.scores["prefill_ms"] == pytest.approx(1 * TPH * PF + pull_ms)
+    assert d.scores["ttft_ms"] == pytest.approx(d.scores["prefill_ms"])  # r1 is idle
+    assert d.alternates[0] == "r2"  # also a cheap pull, but 3 requests busier
+
+
+def test_transfer_cost_makes_a_non_holder_win_where_recompute_would_lose():
+    # r0 has 5 requests ahead (400 ms of queue); recomputing 6400 tokens costs 640 ms elsewhere
+    off, _ = build(load_slack=100)
+    on, _ = build(migrate=True, load_slack=100)
+    req = feat(doc("a", 101))
+    assert off.select(req, view(8, 0)).replica == "r0"  # 400 + 16 ms < 640 ms
+    d = on.select(req, view(8, 0))
+    assert d.replica == "r1" and d.pull_from == "r0"  # 6.4 + 66 ms beats r0's queue
+
+
+def test_holder_keeps_the_request_when_it_is_not_overloaded():
+    pol, _ = build(migrate=True)
+    d = pol.select(feat(doc("a", 101)), view(1, 0, 0))
+    assert d.replica == "r0" and d.reason == "prefix-hit" and d.pull_from is None
+
+
+def test_no_hint_when_transfer_is_not_cheaper_or_the_gap_is_small():
+    pricey, _ = build(migrate=True, load_slack=100, transfer_ms_per_token=PF)
+    d = pricey.select(feat(doc("a", 101)), view(12, 0, 0))
+    assert d.pull_from is None and d.reason == "load-fallback"
+    pol, deps = build(migrate=True, load_slack=100, migrate_min_tokens=3 * TPH, tie_ms=1)
+    deps.index.insert("r1", doc("a", 98))  # r1 is 2 blocks short of r0: not worth a pull
+    d = pol.select(feat(doc("a", 101)), view(12, 0, 0))
+    assert d.replica == "r1" and d.pull_from is None and d.predicted_cached_tokens == 98 * TPH
+
+
+def test_partial_holder_pulls_only_the_difference_from_the_least_loaded_holder():
+    pol, deps = build(migrate=True, load_slack=100)
+    deps.index.insert("r2", doc("a", 100))  # a second full holder, less loaded than r0
+    deps.index.insert("r1", doc("a", 30))
+    d = pol.select(feat(doc("a", 101)), view(14, 0, 12))
+    assert d.replica == "r1" and d.pull_from == "r2" and d.pull_tokens == 70 * TPH
+    assert d.predicted_cached_tokens == 100 * TPH
+
+
+def test_dispatch_records_the_pulled_prefix_on_the_chosen_replica():
+    pol, deps = build(migrate=True, load_slack=100)
+    req = feat(doc("a", 101))
+    v = view(12, 0, 0)
+    d = pol.select(req, v)
+    pol.on_dispatch(req, d, v)
+    assert deps.index.match(req.prefix_hashes)[d.replica] == 101
+    again = pol.select(req, view(12, 1, 0))
+    assert again.replica == d.replica and again.pull_from is None  # it holds it now
+
+
+@pytest.mark.parametrize(
+    "bad", [{"migrate_min_tokens": 0}, {"transfer_ms_per_token": -1}, {"migrate": "maybe"}]
+)
+def test_bad_migration_params_fail_at_build(bad):
+    with pytest.raises(PolicyConfigError):
+        build(**bad)
+
+
+def test_a_pull_must_win_by_more_than_a_tie():
+    pol, _ = build(migrate=True)
+    # r0: 1 request ahead (80 ms) + 4 x 2 ms busy + 6.4 ms prefill = 94.4 ms; r1 pulling: 72.4 ms.
+    # Faster, but within tie_ms: copying the prefix is not worth its cache space elsewhere.
+    d = pol.select(feat(doc("a", 101)), view(4, 0))
+    assert d.replica == "r0" and d.pull_from is None and d.reason == "prefix-hit"
+    d = pol.select(feat(doc("a", 101)), view(6, 0))  # 3 ahead: 252.4 ms > 72.4 + 100
+    assert d.replica == "r1" and d.pull_from == "r0"
