@@ -17,8 +17,8 @@ chunk by chunk as it arrives.
   (joined), ``b""`` at the end; reading pauses the socket when more than ``HIGH_WATER`` bytes
   are buffered unread.
 * Timeouts: ``connect_timeout`` for TCP (+TLS) set-up; ``read_timeout`` is the longest silence
-  allowed while the caller waits for the head or the next chunk (one timer per request, re-armed
-  lazily, not one per chunk).
+  allowed while the caller waits for the head or the next chunk (one timer per connection, re-armed
+  lazily: not one per request or per chunk).
 * Errors (all :class:`HTTPError`): :class:`ConnectError`, :class:`ConnectTimeout`,
   :class:`ReadTimeout`, :class:`PoolTimeout`, :class:`RemoteProtocolError` (the server closed
   the connection mid-response, or sent something that is not HTTP), :class:`ReadError`

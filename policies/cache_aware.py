@@ -46,10 +46,11 @@ Algorithm (filter -> score -> pick):
   (or the first prefix hash) decides: cold prefixes spread over the least loaded replicas instead
   of piling onto one, and independent gateways, whose in-flight counts differ by about one, make
   the same choice without talking.
-* Decision: ``predicted_cached_tokens = hit(chosen)``; alternates are the other replicas by
-  ttft (those over the bound last); reason ``migrate`` (it pulls from a holder), else
-  ``load-fallback`` (a longer match elsewhere lost on load or the bound), else ``session`` (the session's bound replica), ``prefix-hit`` or
-  ``cold-rendezvous`` (nothing worth a tie's difference is cached anywhere).
+* Decision: ``predicted_cached_tokens = hit(chosen)`` (pulled tokens included); alternates are
+  the other replicas by plain ttft (those over the bound last); reason ``migrate`` (it pulls
+  from a holder), else ``load-fallback`` (a longer match elsewhere lost on load or the bound),
+  else ``session`` (the session's bound replica), ``prefix-hit`` or ``cold-rendezvous``
+  (nothing worth a tie's difference is cached anywhere).
 * on_dispatch: insert the chain into the index for the chosen replica; bind the session.
 * on_complete: with ``learn_capacity``, feed predicted vs reported cached tokens to
   ``PrefixIndex.observe`` (AIMD on the replica's effective capacity: the engine evicted what we

@@ -289,3 +289,45 @@ def test_inflight_keeps_the_earliest_arrival_and_its_owner():
     assert fl.run([1, 2], 0, pulled_only=True) == (0, 0.0)
     fl.done([1, 2, 3, 4], second)  # only its own entries go
     assert fl.run([1, 2, 3], 0) == (1, 5.0) and len(fl) == 1
+
+
+def test_requests_wait_for_a_pull_being_decided_and_not_for_one_given_up():
+    async def main():
+        a, _ = cluster()
+        http = HttpPeerLookup(transport=httpx.ASGITransport(app=a))
+
+        async def slow_lookup(url, hashes):  # 5 ms to ask the peer
+            await asyncio.sleep(0.005)
+            if url != A_URL:
+                raise httpx.ConnectError("gone")
+            return await http(url, hashes)
+
+        b = build_sim_app(CFG, peer_lookup=slow_lookup)
+        await call(a, chat())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        hinted = asyncio.create_task(call(b, chat(**pull_from(A_URL))))
+        await asyncio.sleep(0.001)
+        plain = asyncio.create_task(call(b, chat()))  # arrives while the pull is being decided
+        got_hinted, got_plain = await asyncio.gather(hinted, plain)
+        times = (got_hinted.sent[0][0] - t0, got_plain.sent[0][0] - t0 - 0.001)
+        b.engine.cache.clear()
+        t1 = loop.time()
+        failing = asyncio.create_task(call(b, chat(**pull_from("http://gone"))))
+        await asyncio.sleep(0.001)
+        other = await call(b, chat())  # the announced pull fails: it recomputes, it does not hang
+        await failing
+        return b, got_hinted, got_plain, times, other, other.sent[0][0] - t1 - 0.001
+
+    b, got_hinted, got_plain, (t_hinted, t_plain), other, t_other = run_virtual(main())
+    n = got_hinted.json()["usage"]["prompt_tokens"]
+    k = (n - 1) // 16
+    rest = (n - 16 * k) * MS + MS  # the uncached tail and one decode step
+    assert got_hinted.headers["x-sim-pulled-tokens"] == str(16 * k)
+    assert t_hinted == pytest.approx(0.005 + 2 * MS + k * MS + rest)
+    assert got_plain.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * k
+    assert t_plain == pytest.approx(t_hinted - 0.001)  # waited for the pull, then the same tail
+    assert b.engine.stats.kv_pulls == 1 and len(b.engine.inflight) == 0
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert t_other == pytest.approx(0.004 + n * MS + MS)  # waited for the failed lookup only
+    assert b.engine.stats.kv_pull_errors == 1

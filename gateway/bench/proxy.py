@@ -368,13 +368,13 @@ def write_report(summaries: list[Summary], samples: list[Sample], args: argparse
                  notes: list[str], env: dict, connections: Sequence[int]) -> str:
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    backend = ("asyncio mock replicas (gateway/bench/mock_upstream.py)" if args.backend == "mock"
-               else "`kvgate sim --instant` replicas")
-    setup = (f"2 instant {backend}, {args.chunks} SSE events per stream; wrk -t{args.wrk_threads}, "
+    backend = ("instant mock replicas (`gateway/bench/mock_upstream.py`)" if args.backend == "mock"
+               else "instant `kvgate sim` replicas")
+    setup = (f"2 {backend}, {args.chunks} SSE events per stream; wrk -t{args.wrk_threads}; "
              f"{args.duration:g} s per cell, median of {args.rounds} interleaved rounds; "
              f"{env.get('cpus')} CPUs shared by everything, nothing pinned; {stamp}")
     noisy = max((s.others_cpu_pct for s in summaries), default=0.0)
-    md = [f"Proxy overhead ({setup}).", "",
+    md = [f"Setup: {setup}.", "",
           "Added latency is against `direct` (wrk straight to one replica) in the same round; proxy CPU is the "
           "proxy's process tree (user + system) per completed request.", "",
           table(summaries), ""]

@@ -2,7 +2,8 @@
 
 Layers: :mod:`.model` (pure cache/timing/output), :mod:`.tokenizer` (pure), :mod:`.engine`
 (admission and counters, time through an injected clock), :mod:`.protocol` (OpenAI wire format),
-:mod:`.server` (raw ASGI), :mod:`.runner` (many replicas on consecutive ports).
+:mod:`.server` (raw ASGI), :mod:`.runner` (many replicas on consecutive ports), :mod:`.kvpull`
+(metadata-only KV pulls between replicas, asked for in ``kv_transfer_params``).
 """
 
 from .cli_args import add_sim_arguments, sim_config_from_args

@@ -18,6 +18,7 @@ arithmetic live in :mod:`gateway.sim.model`.  A request's life, as the HTTP laye
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -175,8 +176,25 @@ class SimEngine:
         pending, ready = self.inflight.run(hashes, held)
         return held, held + pending, max(0.0, ready - self.clock.now()) if pending else 0.0
 
+    def expect_pull(self, hashes: Sequence[int]) -> object:
+        """Announce a pull of ``hashes`` to be decided soon (see ``Inflight``); returns a token."""
+        token = object()
+        self.inflight.add(hashes, math.inf, token, pulled=True)
+        return token
+
+    def release(self, peer: PeerHoldings | None) -> None:
+        """Give up what ``peer``'s token still announces (idempotent)."""
+        if peer is not None and peer.token is not None:
+            self.inflight.done(peer.asked, peer.token)
+
     async def pull(self, job: Job, peer: PeerHoldings) -> int:
         """Bring leading blocks a peer holds (now, or after its work in flight) if it saves time."""
+        try:
+            return await self._pull(job, peer)
+        finally:
+            self.release(peer)
+
+    async def _pull(self, job: Job, peer: PeerHoldings) -> int:
         if self.planner is None:
             return 0
         bs = self.config.block_size
@@ -198,11 +216,12 @@ class SimEngine:
             self.stats.kv_pull_skipped += 1
             return 0
         hashes = job.prompt.hashes[have : have + want]
-        self.inflight.add(hashes, now + wait + d.transfer_s, job, pulled=True)
+        owner = peer.token if peer.token is not None else job
+        self.inflight.add(hashes, now + wait + d.transfer_s, owner, pulled=True)
         try:
             await self.clock.sleep(wait + d.transfer_s)
         finally:
-            self.inflight.done(hashes, job)
+            self.inflight.done(hashes, owner)
         self.planner.observe_transfer(d.bytes, d.transfer_s)
         self.cache.insert(job.prompt.hashes[: have + want])
         tokens = want * bs
@@ -213,18 +232,22 @@ class SimEngine:
         return tokens
 
     async def _await_pulls(self, job: Job) -> None:
-        """Blocks this job lacks that another request is pulling here: wait for them."""
+        """Blocks this job lacks that another request pulls (or is about to) here: wait."""
         bs = self.config.block_size
-        have = job.cached_tokens // bs
-        n, ready = self.inflight.run(job.prompt.hashes, have, pulled_only=True)
-        if not n:
-            return
-        await self.clock.sleep(max(0.0, ready - self.clock.now()))
         limit = max_cacheable_blocks(job.prompt.n_tokens, bs)
-        more = self.cache.match(job.prompt.hashes[:limit]) * bs - job.cached_tokens
-        if more > 0:
-            job.cached_tokens += more
-            self.stats.prefix_hits += more
+        hashes = job.prompt.hashes[:limit]
+        while True:
+            n, ready = self.inflight.run(hashes, job.cached_tokens // bs, pulled_only=True)
+            if not n:
+                return
+            if ready == math.inf:  # a pull is being decided: wait for the decision
+                await self.inflight.changed()
+            else:
+                await self.clock.sleep(max(0.0, ready - self.clock.now()))
+            more = self.cache.match(hashes) * bs - job.cached_tokens
+            if more > 0:
+                job.cached_tokens += more
+                self.stats.prefix_hits += more
 
     async def prefill(self, job: Job) -> None:
         """Compute the uncached prompt tokens; afterwards the first output token exists."""
@@ -286,11 +309,15 @@ class SimEngine:
         self, prompt: PromptBlocks, n_tokens: int, peer: PeerHoldings | None = None
     ) -> Job:
         """Run a whole request (admission, pull, prefill, ``n_tokens`` tokens); returns its job."""
-        job = await self.admit(prompt)
+        try:
+            job = await self.admit(prompt)
+        except BaseException:
+            self.release(peer)
+            raise
         completed = False
         try:
             if peer is not None:
-                await self.pull(job, peer)
+                await self.pull(job, peer)  # releases the peer's token
             await self.prefill(job)
             for _ in range(n_tokens - 1):
                 await self.decode(job)

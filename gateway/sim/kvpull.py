@@ -37,6 +37,7 @@ A request may carry, as vLLM passes to its KV connector::
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -56,20 +57,42 @@ PeerLookup = Callable[[str, Sequence[int]], Awaitable[tuple[int, int, float]]]
 
 @dataclass(frozen=True, slots=True)
 class PeerHoldings:
-    """What a peer said it holds of a prompt: ``blocks`` now, ``pending`` at ``ready_at``."""
+    """What a peer said it holds of a prompt: ``blocks`` now, ``pending`` at ``ready_at``.
+
+    ``token`` owns the "expected" in-flight entries of the ``asked`` hashes (see ``Inflight``)
+    until the pull is made or given up (``SimEngine.pull`` / ``SimEngine.release``).
+    """
 
     blocks: int = 0
     pending: int = 0
     ready_at: float = 0.0  # this replica's clock
+    token: object = None
+    asked: tuple[int, ...] = ()
 
 
 class Inflight:
-    """Blocks being computed (prefill) or pulled on a replica: when each will be in the cache."""
+    """Blocks being computed (prefill) or pulled on a replica: when each will be in the cache.
 
-    __slots__ = ("_ready",)
+    A pull is expected (ready time ``inf``) from the moment a request that carries a hint
+    arrives until its pull is decided, so requests that arrive meanwhile wait for the decision
+    (``changed``) instead of recomputing what is about to come.
+    """
+
+    __slots__ = ("_ready", "_changed")
 
     def __init__(self) -> None:
         self._ready: dict[int, tuple[float, object, bool]] = {}  # hash -> (ready, owner, pulled)
+        self._changed: asyncio.Future | None = None
+
+    def changed(self) -> asyncio.Future:
+        """A future done at the next ``add`` or ``done``."""
+        if self._changed is None or self._changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
+    def _notify(self) -> None:
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
 
     def add(self, hashes: Sequence[int], ready_at: float, owner: object, pulled: bool) -> None:
         """Record work in flight; a block already on its way keeps the earlier arrival (when
@@ -77,14 +100,16 @@ class Inflight:
         ready = self._ready
         for h in hashes:
             entry = ready.get(h)
-            if entry is None or ready_at < entry[0]:
+            if entry is None or ready_at < entry[0] or entry[1] is owner:
                 ready[h] = (ready_at, owner, pulled)
+        self._notify()
 
     def done(self, hashes: Sequence[int], owner: object) -> None:
         for h in hashes:
             entry = self._ready.get(h)
             if entry is not None and entry[1] is owner:
                 del self._ready[h]
+        self._notify()
 
     def run(
         self, hashes: Sequence[int], start: int, *, pulled_only: bool = False
@@ -224,10 +249,15 @@ async def peer_holdings(
     ask = hashes_to_ask(hint, prompt, engine.config.block_size)
     if not ask or engine.planner is None:
         return PeerHoldings()
+    token = engine.expect_pull(ask)
     try:
         blocks, pending, ready_in = await lookup(hint.url, ask)
     except (httpx.HTTPError, ValueError, OSError):
         engine.stats.kv_pull_errors += 1
+        engine.inflight.done(ask, token)
         return PeerHoldings()
-    n = len(ask)
-    return PeerHoldings(min(n, blocks), min(n, pending), engine.clock.now() + ready_in)
+    except BaseException:
+        engine.inflight.done(ask, token)
+        raise
+    n, now = len(ask), engine.clock.now()
+    return PeerHoldings(min(n, blocks), min(n, pending), now + ready_in, token, tuple(ask))

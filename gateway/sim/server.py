@@ -382,6 +382,8 @@ class SimApp:
             cut = True
         else:
             cut = False
+        finally:
+            engine.release(peer)  # a pull announced and not made (cancelled while queued)
         if cut:  # outside the except block: no chained traceback in the server's log
             await flush()
             await self._break()
