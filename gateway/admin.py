@@ -30,8 +30,11 @@ def _error(exc: KvgateError) -> Response:
 
 
 class AdminApi:
-    def __init__(self, get_state: Callable[[], object]) -> None:
+    def __init__(
+        self, get_state: Callable[[], object], on_removed: Callable[[str], None] = lambda rid: None
+    ) -> None:
         self._state = get_state
+        self._on_removed = on_removed  # forget what the local view knows of a removed replica
 
     def routes(self) -> list[Route]:
         return [
@@ -103,6 +106,7 @@ class AdminApi:
             self._authorize(request)
             rep = self._replica(request)
             removed = self._state().pool.retire(rep.id)
+            self._on_removed(rep.id)
             body = {"id": rep.id, "removed": bool(removed), "in_flight": rep.in_flight}
             return _json(body, 200 if removed else 202)
         except KvgateError as exc:

@@ -92,7 +92,7 @@ class GatewayApp:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.ready, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
-                *AdminApi(self._st).routes(),
+                *AdminApi(self._st, self._forget_replica).routes(),
             ],
             lifespan=self.lifespan,
             exception_handlers={HTTPException: _http_error, Exception: _server_error},
@@ -154,6 +154,11 @@ class GatewayApp:
             self.state = None
 
     # ------------------------------------------------------------------ control routes
+    def _forget_replica(self, replica_id: str) -> None:
+        """A removed replica's prefixes and sessions leave the local view at once."""
+        self.policy_deps.index.drop_replica(replica_id)
+        self.policy_deps.sessions.drop_replica(replica_id)
+
     def _st(self) -> GatewayState:
         assert self.state is not None, "the app's lifespan has not started"
         return self.state

@@ -36,7 +36,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     replicas: tuple[ReplicaConfig, ...] = ()
-    policy: str = "round_robin"
+    policy: str = "cache_aware"
     policy_params: Mapping[str, Any] = field(default_factory=dict)
     log_level: str = "info"
     api_keys: tuple[str, ...] = ()  # empty: no authentication

@@ -442,7 +442,12 @@ class Proxy:
             self._m_pred_error.observe(abs(predicted - actual))
         if ex.replica:
             prompt = (ex.usage or {}).get("prompt_tokens") or 0
-            outcome = Outcome(ok=ex.ok, prompt_tokens=prompt, cached_tokens=actual, latency_s=elapsed, ttft_s=ex.ttft)
+            # The prediction was for the decision's first choice; a retried request has none.
+            predicted_here = ex.decision.predicted_cached_tokens if ex.replica == ex.decision.replica else None
+            outcome = Outcome(
+                ok=ex.ok, prompt_tokens=prompt, cached_tokens=actual, latency_s=elapsed, ttft_s=ex.ttft,
+                predicted_cached_tokens=predicted_here,
+            )
             self.policy.on_complete(ex.features, ex.replica, outcome)
         if log.isEnabledFor(logging.INFO):
             log.info(

@@ -88,3 +88,16 @@ async def test_admin_token_is_required_when_configured():
         assert r.status_code == 200 and r.json()["draining"]
         r = await c.get(topo.base_url + "/ready")
         assert r.status_code == 503 and r.json()["models_without_replica"] == ["tiny"]
+
+
+async def test_removed_replica_leaves_the_prefix_index_and_sessions():
+    long = "a long shared system prompt for the index " * 40
+    async with running_topology(2, policy="cache_aware") as topo, httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(topo.base_url + CHAT, json=body(long), headers={"x-session-id": "s1"})
+        holder = r.headers["x-kvgate-replica"]
+        deps = topo.gateway.policy_deps
+        assert deps.index.blocks(holder) > 0 and deps.sessions.peek("s1") == holder
+        assert (await c.delete(topo.base_url + f"/admin/replicas/{holder}")).status_code == 200
+        assert deps.index.blocks(holder) == 0 and deps.sessions.peek("s1") is None
+        r = await c.post(topo.base_url + CHAT, json=body(long), headers={"x-session-id": "s1"})
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] != holder

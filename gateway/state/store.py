@@ -88,7 +88,7 @@ class MemoryStore:
     backend = "memory"
     flush_interval_s = 0.0  # publishing is a list append: no batching needed
 
-    def __init__(self, maxlen: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, maxlen: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
         if maxlen < 1:
             raise ValueError("maxlen must be >= 1")
         self.maxlen = maxlen
