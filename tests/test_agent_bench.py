@@ -36,3 +36,12 @@ def test_tier_bench_runs_every_row(tmp_path):
     }
     assert all(v > 0 for v in out.values())
     assert list(tmp_path.glob("*.kvb")) == []  # the store cleaned up after itself
+
+
+def test_kvgate_bench_transfer_cli_writes_a_report(tmp_path):
+    from gateway.cli import main
+
+    rc = main(["bench", "transfer", "--skip", "tcp", "--skip", "gloo", "--total-mib", "8",
+               "--block-mib", "1", "--rounds", "1", "--out", str(tmp_path)])
+    text = (tmp_path / "transfer.md").read_text()
+    assert rc == 0 and "memcpy" in text and "tier host copy" in text

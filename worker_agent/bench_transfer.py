@@ -323,8 +323,9 @@ def report(results: dict[str, float], total: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Options of ``kvgate bench transfer`` (and ``python -m worker_agent.bench_transfer``)."""
+    ap.add_argument("--out", default="bench-results", help="folder for transfer.md")
     ap.add_argument("--block-mib", type=float, default=2.0)
     ap.add_argument("--total-mib", type=float, default=256.0)
     ap.add_argument("--rounds", type=int, default=7)
@@ -333,7 +334,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--no-malloc-tune", action="store_true", help="leave glibc's trim/mmap thresholds alone"
     )
-    args = ap.parse_args(argv)
+
+
+
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     tune = not args.no_malloc_tune and tune_host_allocator()
     block_bytes = int(args.block_mib * 2**20)
@@ -353,8 +357,19 @@ def main(argv: list[str] | None = None) -> None:
         results.update(bench_tcp(blocks, block_bytes, args.rounds, tune))
     if "gloo" not in args.skip:
         results.update(bench_gloo(len(blocks), block_bytes, args.rounds, tune))
-    print(report(results, total))
+    table = report(results, total)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "transfer.md"), "w") as fh:
+        fh.write("```\n" + table + "\n```\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -253,7 +254,12 @@ def write_report(rows: list[Row], args: argparse.Namespace, final: bool = True) 
         json.dump({"setup": setup, "rows": [asdict(r) for r in rows]}, fh, indent=2)
     png = os.path.join(args.out, "routing.png")
     if plot(rows, png):
-        md += f"\n![routing benchmark]({os.path.relpath(png, os.path.dirname(args.readme) or '.') if args.readme else png})\n"
+        if args.readme and final:  # the README's picture lives in the repository, not in --out
+            root = os.path.dirname(os.path.abspath(args.readme))
+            os.makedirs(os.path.join(root, "docs", "bench"), exist_ok=True)
+            shutil.copyfile(png, os.path.join(root, "docs", "bench", "routing.png"))
+            png = "docs/bench/routing.png"
+        md += f"\n![routing benchmark]({png})\n"
     if args.readme and final:
         replace_block(args.readme, "routing", md)
 
