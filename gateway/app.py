@@ -30,7 +30,7 @@ from .errors import ConfigError, NotFound, error_body
 from .features import ROUTES
 from .health import check_all, health_loop
 from .metrics import GatewayMetrics
-from .proxy import Proxy, send_error
+from .proxy import Proxy
 from .replicas import ReplicaPool
 from .state import (
     SharedPolicy,
@@ -42,6 +42,7 @@ from .state import (
     make_store,
 )
 from .upstream import make_client, make_upstream
+from .wire import send_error
 
 log = logging.getLogger("kvgate.gateway")
 

@@ -23,7 +23,7 @@ from policies.types import Decision, Outcome, RequestFeatures
 
 from . import fastclient as fc
 from .config import GatewayConfig
-from .errors import KvgateError, ModelNotFound, NoReplicaAvailable, PayloadTooLarge, Unauthorized
+from .errors import KvgateError, ModelNotFound, NoReplicaAvailable, Unauthorized
 from .features import parse_request
 from .kvhints import pull_hint_body
 from .metrics import GatewayMetrics
@@ -38,10 +38,16 @@ from .upstream import (
     error_kind,
     translate,
 )
+from .wire import (
+    cached_tokens,
+    read_body,
+    send_error,
+    usage_from_json,
+    usage_from_sse_tail,
+)
 
 log = logging.getLogger("kvgate.access")
 
-JSON_HEADERS = [(b"content-type", b"application/json")]
 RESPONSE_SKIP = RESPONSE_DROP | {b"x-request-id"}  # the gateway sets its own x-request-id
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -65,58 +71,6 @@ class _Exchange:
     finished: bool = False  # the response is complete: a disconnect no longer cancels
     error: KvgateError | None = None
     watcher: asyncio.Task | None = None  # started only for requests that run a while
-
-
-async def read_body(receive, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError("client went away before sending the body")
-        body = message.get("body", b"")
-        if body:
-            size += len(body)
-            if size > limit:
-                raise PayloadTooLarge(f"request body larger than {limit} bytes")
-            chunks.append(body)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def send_error(send, exc: KvgateError, extra: list[tuple[bytes, bytes]] = ()) -> None:
-    body = exc.body()
-    headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode()), *extra]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-def usage_from_json(body: bytes) -> dict | None:
-    try:
-        usage = orjson.loads(body).get("usage")
-    except (orjson.JSONDecodeError, AttributeError):
-        return None
-    return usage if isinstance(usage, dict) else None
-
-
-def usage_from_sse_tail(tail: bytes) -> dict | None:
-    """The ``usage`` object of the last SSE event that carries one (include_usage chunks)."""
-    idx = tail.rfind(b'"usage":{')
-    if idx < 0:
-        return None
-    start = tail.rfind(b"data: ", 0, idx)
-    end = tail.find(b"\n", idx)
-    if start < 0:
-        return None
-    return usage_from_json(tail[start + 6 : end if end >= 0 else len(tail)])
-
-
-def cached_tokens(usage: dict | None) -> int | None:
-    if not usage:
-        return None
-    details = usage.get("prompt_tokens_details") or {}
-    value = details.get("cached_tokens") if isinstance(details, dict) else None
-    return value if isinstance(value, int) else None
 
 
 class _Children:

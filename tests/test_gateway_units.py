@@ -6,9 +6,9 @@ import pytest
 from gateway.config import GatewayConfig, ReplicaConfig, load_config
 from gateway.errors import BadRequest, ConfigError
 from gateway.features import CHAT, COMPLETION, EMBEDDINGS, RESPONSES, parse_request
-from gateway.proxy import cached_tokens, usage_from_sse_tail
 from gateway.replicas import ReplicaPool, parse_engine_metrics
 from gateway.upstream import request_headers, response_headers
+from gateway.wire import cached_tokens, usage_from_sse_tail
 from policies.hashing import hash_bytes, model_seed, render_chat
 
 
