@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import orjson
 import xxhash
 
-from policies.hashing import BYTES_PER_TOKEN, hash_bytes, model_seed, render_chat, render_completion
+from policies.hashing import (
+    BYTES_PER_TOKEN,
+    hash_bytes,
+    model_seed,
+    render_chat_parts,
+    render_completion,
+)
 from policies.types import RequestFeatures
 
 from .errors import BadRequest
@@ -43,12 +49,11 @@ def _loads(raw: bytes) -> dict:
     return body
 
 
-def _first_turn_key(messages: list) -> str:
-    """Hash of the conversation up to and including its first user message."""
-    for i, msg in enumerate(messages):
-        if isinstance(msg, dict) and msg.get("role") == "user":
-            return "turn:" + xxhash.xxh3_64_hexdigest(render_chat(messages[: i + 1]).encode())
-    return "turn:" + xxhash.xxh3_64_hexdigest(render_chat(messages[:1]).encode())
+def _first_turn_key(messages: list, text: str, start: int, ends: list[int]) -> str:
+    """Hash of the conversation up to and including its first user message (its canonical text
+    without tools: a slice of the text already rendered, so nothing is rendered twice)."""
+    last = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), 0)
+    return "turn:" + xxhash.xxh3_64_hexdigest(text[start : ends[last]].encode("utf-8", "surrogatepass"))
 
 
 def _responses_messages(body: dict) -> list:
@@ -69,21 +74,24 @@ def _responses_messages(body: dict) -> list:
     return messages
 
 
-def _render(kind: str, body: dict) -> tuple[str, list | None]:
-    """The canonical prompt text and, for chat-like requests, the message list."""
+def _render(kind: str, body: dict) -> tuple[str, list | None, int, list[int]]:
+    """The canonical prompt text and, for chat-like requests, the message list, where the
+    messages start in the text and where each one ends."""
     try:
         if kind == CHAT:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise BadRequest("'messages' must be a non-empty list", param="messages")
-            return render_chat(messages, body.get("tools")), messages
+            text, start, ends = render_chat_parts(messages, body.get("tools"))
+            return text, messages, start, ends
         if kind == RESPONSES:
             messages = _responses_messages(body)
-            return render_chat(messages, body.get("tools")), messages
+            text, start, ends = render_chat_parts(messages, body.get("tools"))
+            return text, messages, start, ends
         field = "prompt" if kind == COMPLETION else "input"
         if field not in body:
             raise BadRequest(f"'{field}' is required", param=field)
-        return render_completion(body[field]), None
+        return render_completion(body[field]), None, 0, []
     except TypeError as exc:
         raise BadRequest(str(exc)) from exc
 
@@ -114,13 +122,13 @@ def parse_request(
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
-    text, messages = _render(kind, body)
+    text, messages, start, ends = _render(kind, body)
     data = text.encode("utf-8", "surrogatepass")
     session = headers.get(session_header) or None
     if session is None and isinstance(body.get("user"), str) and body["user"]:
         session = "user:" + body["user"]
     if session is None and messages:
-        session = _first_turn_key(messages)
+        session = _first_turn_key(messages, text, start, ends)
     features = RequestFeatures(
         model=model,
         prefix_hashes=tuple(hash_bytes(data, model_seed(model), chunk_bytes)),

@@ -92,20 +92,33 @@ def _content_text(content: object) -> str:
     return orjson.dumps(content, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def render_chat(messages: Sequence[object], tools: object = None) -> str:
-    """Canonical text of a chat request (see module header)."""
+def render_chat_parts(messages: Sequence[object], tools: object = None) -> tuple[str, int, list[int]]:
+    """The canonical text of a chat request (see module header), the offset where its messages
+    start (after the tools), and the offset where each message ends."""
     pieces: list[str] = []
+    length = 0
     if tools:
         pieces.append("\x1etools\x1f" + orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
+        length = len(pieces[0])
+    start = length
+    ends: list[int] = []
     for msg in messages:
         if not isinstance(msg, dict):
             raise TypeError("each message must be an object")
         role = msg.get("role", "")
-        pieces.append(f"\x1e{role}\x1f{_content_text(msg.get('content'))}")
+        piece = f"\x1e{role}\x1f{_content_text(msg.get('content'))}"
         calls = msg.get("tool_calls")
         if calls:
-            pieces.append(orjson.dumps(calls, option=orjson.OPT_SORT_KEYS).decode())
-    return "".join(pieces)
+            piece += orjson.dumps(calls, option=orjson.OPT_SORT_KEYS).decode()
+        pieces.append(piece)
+        length += len(piece)
+        ends.append(length)
+    return "".join(pieces), start, ends
+
+
+def render_chat(messages: Sequence[object], tools: object = None) -> str:
+    """Canonical text of a chat request (see module header)."""
+    return render_chat_parts(messages, tools)[0]
 
 
 def render_completion(prompt: object) -> str:
