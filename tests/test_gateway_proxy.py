@@ -81,7 +81,7 @@ async def test_replica_stalling_mid_stream_times_out_with_an_error_event():
 
 
 async def test_failing_replica_is_retried_on_an_alternate_then_ejected():
-    async with running_topology(3, eject_after_failures=2) as topo:
+    async with running_topology(3, eject_after_failures=2, policy="round_robin") as topo:
         bad = topo.replica_ids[0]
         await set_faults(topo.replica_urls[0], error_rate=1.0)
         attempts = []
