@@ -52,6 +52,8 @@ class GatewayConfig:
     shutdown_grace_s: float = 15.0
     max_connections_per_replica: int = 256  # idle keep-alive connections kept per replica
     upstream_client: str = "fast"  # fast (asyncio + httptools, gateway/fastclient.py) | httpx
+    max_in_flight: int = 0  # requests in flight at once, gateway-wide; over it: 429; 0 = no limit
+    http_server: str = "fast"  # fast (asyncio + httptools, gateway/httpserver.py) | uvicorn
     admin_token: str = ""  # empty: admin changes only from loopback clients
     redis_url: str = ""  # empty: embedded in-memory state; redis://host:port/db shares it
     gateway_id: str = ""  # identity in shared state; empty: host:port plus a random suffix
@@ -68,6 +70,10 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be positive")
         if self.upstream_client not in ("fast", "httpx"):
             raise ConfigError(f"upstream_client must be 'fast' or 'httpx', not {self.upstream_client!r}")
+        if self.http_server not in ("fast", "uvicorn"):
+            raise ConfigError(f"http_server must be 'fast' or 'uvicorn', not {self.http_server!r}")
+        if self.max_in_flight < 0:
+            raise ConfigError("max_in_flight must be >= 0 (0: no limit)")
         if self.max_connections_per_replica < 1:
             raise ConfigError("max_connections_per_replica must be >= 1")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

@@ -19,7 +19,8 @@ log = logging.getLogger("kvgate")
 
 def gateway_spec(cfg: GatewayConfig, **app_kwargs) -> ServerSpec:
     """A server for a gateway; ``app_kwargs`` go to :class:`GatewayApp` (e.g. a shared ``store``)."""
-    return ServerSpec(build_app(cfg, **app_kwargs), cfg.host, cfg.port, graceful_timeout=cfg.shutdown_grace_s)
+    return ServerSpec(build_app(cfg, **app_kwargs), cfg.host, cfg.port,
+                      graceful_timeout=cfg.shutdown_grace_s, server=cfg.http_server)
 
 
 async def run_serve(overrides: Mapping, config_file: str | None, env: Mapping[str, str]) -> int:

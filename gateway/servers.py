@@ -31,6 +31,7 @@ class ServerSpec:
     log_level: str = "warning"
     access_log: bool = False
     graceful_timeout: float = 10.0
+    server: str = "uvicorn"  # uvicorn | fast (gateway/httpserver.py)
 
 
 def _config(spec: ServerSpec) -> uvicorn.Config:
@@ -48,11 +49,19 @@ def _config(spec: ServerSpec) -> uvicorn.Config:
     )
 
 
+def _make_server(spec: ServerSpec):
+    if spec.server == "fast":
+        from .httpserver import FastServer
+
+        return FastServer(spec.app, spec.host, spec.port, graceful_timeout=spec.graceful_timeout)
+    return _QuietServer(_config(spec))
+
+
 class ServerGroup:
     """Start many servers, wait until all are up, stop them all together."""
 
     def __init__(self, specs: list[ServerSpec]) -> None:
-        self.servers = [_QuietServer(_config(s)) for s in specs]
+        self.servers = [_make_server(s) for s in specs]
         self.specs = specs
         self._tasks: list[asyncio.Task[None]] = []
 
