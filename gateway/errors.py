@@ -12,6 +12,7 @@ class KvgateError(Exception):
     status = 500
     type = "server_error"
     code: str | None = "internal_error"
+    retry_after: int | None = None  # seconds, sent as ``retry-after`` when set
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -66,6 +67,7 @@ class RateLimited(KvgateError):
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
+    retry_after = 1
 
 
 class UpstreamError(KvgateError):

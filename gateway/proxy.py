@@ -23,7 +23,7 @@ from policies.types import Decision, Outcome, RequestFeatures
 
 from . import fastclient as fc
 from .config import GatewayConfig
-from .errors import KvgateError, ModelNotFound, NoReplicaAvailable, Unauthorized
+from .errors import KvgateError, ModelNotFound, NoReplicaAvailable, RateLimited, Unauthorized
 from .features import parse_request
 from .kvhints import pull_hint_body
 from .metrics import GatewayMetrics
@@ -122,6 +122,8 @@ class Proxy:
         self._rid_prefix = os.urandom(6).hex()
         self._rid_seq = itertools.count(1)
         self.open_streams = 0
+        self.in_flight = 0  # requests being forwarded (the max_in_flight limit)
+        self.max_in_flight = cfg.max_in_flight
         self._unwatched: dict[_Exchange, tuple] = {}  # running, no watcher yet: (receive, task, t0)
         self._sweeper: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -170,6 +172,10 @@ class Proxy:
             rid = self._new_request_id()
             request_id = rid.encode()
         route = scope["path"]
+        if self.max_in_flight and self.in_flight >= self.max_in_flight:
+            self._m_requests.get(route, "429").inc()
+            err = RateLimited(f"the gateway has {self.in_flight} requests in flight (max_in_flight)")
+            return await send_error(send, err, [(b"x-request-id", request_id)])
         try:
             if not authorized:
                 raise Unauthorized("missing or invalid API key")
@@ -187,7 +193,11 @@ class Proxy:
             return
         forward.append((b"x-request-id", request_id))
         ex = _Exchange(route, rid, request_id, parsed.features, decision, started)
-        await self._forward(scope, receive, send, body, forward, ex)
+        self.in_flight += 1
+        try:
+            await self._forward(scope, receive, send, body, forward, ex)
+        finally:
+            self.in_flight -= 1
 
     def _decide(self, features: RequestFeatures) -> Decision:
         if not self.pool.knows_model(features.model):

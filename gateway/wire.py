@@ -31,6 +31,8 @@ async def read_body(receive, limit: int) -> bytes:
 async def send_error(send, exc: KvgateError, extra: list[tuple[bytes, bytes]] = ()) -> None:
     body = exc.body()
     headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode()), *extra]
+    if exc.retry_after is not None:
+        headers.append((b"retry-after", b"%d" % exc.retry_after))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -145,3 +145,29 @@ async def test_prediction_metrics_count_actual_cached_tokens(stream):
             metrics = (await c.get(topo.base_url + "/metrics")).text
         line = next(x for x in metrics.splitlines() if x.startswith("kvgate_actual_cached_tokens_total"))
         assert float(line.rsplit(" ", 1)[1]) > 0
+
+
+@pytest.mark.parametrize("http_server", ["fast", "uvicorn"])
+async def test_max_in_flight_sheds_load_with_an_openai_429(http_server):
+    """One request held open on a stalled replica fills ``max_in_flight=1``: the next is refused
+    with an OpenAI 429 and ``retry-after``; once the first ends, requests are admitted again."""
+    async with running_topology(1, max_in_flight=1, http_server=http_server) as topo:
+        await set_faults(topo.replica_urls[0], stall_after_chunks=1)
+        async with httpx.AsyncClient(timeout=10) as c:
+            async with c.stream("POST", topo.base_url + CHAT, json=body(stream=True)) as held:
+                assert held.status_code == 200
+                async for line in held.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # the first chunk arrived: the request is in flight
+                refused = await c.post(topo.base_url + CHAT, json=body())
+                assert refused.status_code == 429
+                assert refused.headers["retry-after"] == "1" and refused.headers["x-request-id"]
+                assert refused.json()["error"]["type"] == "rate_limit_error"
+            await set_faults(topo.replica_urls[0], stall_after_chunks=None)
+            for _ in range(200):  # the gateway notices the client left and frees the slot
+                ok = await c.post(topo.base_url + CHAT, json=body())
+                if ok.status_code == 200:
+                    break
+            assert ok.status_code == 200
+            metrics = (await c.get(topo.base_url + "/metrics")).text
+        assert 'kvgate_requests_total{route="/v1/chat/completions",status="429"}' in metrics
