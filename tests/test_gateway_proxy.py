@@ -171,3 +171,39 @@ async def test_max_in_flight_sheds_load_with_an_openai_429(http_server):
             assert ok.status_code == 200
             metrics = (await c.get(topo.base_url + "/metrics")).text
         assert 'kvgate_requests_total{route="/v1/chat/completions",status="429"}' in metrics
+
+
+async def test_shutdown_finishes_open_streams_and_refuses_new_connections():
+    """Stop requested mid-stream: the stream still ends with [DONE]; the listener is closed."""
+    sim = SimConfig(decode_s_per_token=0.02)  # 20 tokens: ~0.4 s of streaming
+    async with running_topology(1, sim_config=sim, shutdown_grace_s=10) as topo:
+        gateway_group = topo.groups[0]
+        async with httpx.AsyncClient(timeout=10) as c:
+            async with c.stream("POST", topo.base_url + CHAT, json=body(stream=True, max_tokens=20)) as r:
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: "):
+                        break  # streaming has begun
+                gateway_group.request_stop()
+                rest = [line async for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]" and len(rest) >= 10
+            await gateway_group.wait()
+            with pytest.raises(httpx.ConnectError):
+                await c.post(topo.base_url + CHAT, json=body())
+
+
+async def test_shutdown_cuts_a_stalled_stream_at_the_grace_deadline():
+    async with running_topology(1, shutdown_grace_s=0.5) as topo:
+        await set_faults(topo.replica_urls[0], stall_after_chunks=1)
+        gateway_group = topo.groups[0]
+        async with httpx.AsyncClient(timeout=10) as c:
+            async with c.stream("POST", topo.base_url + CHAT, json=body(stream=True)) as r:
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: "):
+                        break
+                gateway_group.request_stop()
+                with pytest.raises(httpx.RemoteProtocolError):  # cut, not hung
+                    async for _ in lines:
+                        pass
+            await gateway_group.wait()
