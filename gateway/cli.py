@@ -38,7 +38,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--replica", action="append", dest="replicas", metavar="URL",
         help="replica base URL, repeatable (KVGATE_REPLICAS=url1,url2)",
     )
-    p.add_argument("--policy", help="routing policy (default round_robin; KVGATE_POLICY)")
+    p.add_argument("--policy", help="routing policy (default cache_aware; KVGATE_POLICY)")
     p.add_argument(
         "--policy-param", action="append", default=[], metavar="KEY=VALUE",
         help="policy parameter, repeatable",

@@ -5,7 +5,8 @@ server of :mod:`gateway.bench.mock_upstream`, one process; or ``--backend sim``:
 --instant``), and in front of them, each in its own process: nginx (plain reverse proxy, upstream
 keep-alive, no buffering: the practical floor), sglang-router and vllm-router (``round_robin``;
 skipped with a note when not installed) and kvgate (``kvgate serve``, ``round_robin``, log level
-warning; ``kvgate/httpx`` is the same with ``upstream_client: httpx``).  ``direct`` sends the load
+warning; ``kvgate/uvicorn`` is the same on uvicorn instead of kvgate's HTTP server,
+``kvgate/httpx`` with ``upstream_client: httpx``).  ``direct`` sends the load
 straight to replica 0 (the baseline).
 
 Load: wrk (``-t1``, ``--latency``) posting a chat body, streaming (the replica sends ``--chunks``
@@ -46,7 +47,12 @@ from .procs import Proc
 from .tables import markdown_table, replace_block
 
 MODES = ("stream", "json")
-DEFAULT_TARGETS = ("direct", "nginx", "sglang-router", "vllm-router", "kvgate", "kvgate/httpx")
+DEFAULT_TARGETS = ("direct", "nginx", "sglang-router", "vllm-router", "kvgate", "kvgate/uvicorn",
+                   "kvgate/httpx")
+VARIANTS = {  # kvgate with one setting changed: what each of its parts buys, same run
+    "kvgate/uvicorn": {"KVGATE_HTTP_SERVER": "uvicorn"},
+    "kvgate/httpx": {"KVGATE_UPSTREAM_CLIENT": "httpx"},
+}
 
 WRK_SCRIPT = """\
 wrk.method = "POST"
@@ -199,9 +205,9 @@ def build_targets(names: Sequence[str], urls: list[str], workdir: str, extra_dir
                 targets.append(Target(name, base, make(urls, port, "round_robin", exe=exe)))
             elif name == "kvgate":
                 targets.append(Target(name, base, peers.kvgate_proc(urls, port)))
-            elif name == "kvgate/httpx":
-                env = {"KVGATE_UPSTREAM_CLIENT": "httpx"}
-                targets.append(Target(name, base, peers.kvgate_proc(urls, port, name="kvgate-httpx", env=env)))
+            elif name in VARIANTS:
+                proc = peers.kvgate_proc(urls, port, name=name.replace("/", "-"), env=VARIANTS[name])
+                targets.append(Target(name, base, proc))
             else:
                 raise SystemExit(f"unknown target {name!r}; known: {', '.join(DEFAULT_TARGETS)}")
         except FileNotFoundError as exc:
