@@ -8,6 +8,7 @@ Skipped only when the vLLM venv is absent (``make test`` makes it: ``make vllm-v
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 import uuid
@@ -204,7 +205,8 @@ def test_cache_aware_routes_a_shared_prefix_to_one_replica_and_vllm_hits(rig):
     assert cached[0] == 0, seen  # a fresh prefix: vLLM computed it
     # vLLM's own count: whole blocks of the shared system prompt (its 128-token blocks).
     assert all(c >= BLOCK_SIZE and c % BLOCK_SIZE == 0 and c < p for _, c, _, p in seen[1:]), seen
-    assert all(pred > 0 for _, _, pred, _ in seen[1:]), seen  # the gateway expected the hits
+    # The gateway expected the hits, counted in vLLM's blocks (engine_block_tokens=128).
+    assert all(pred > 0 and pred % BLOCK_SIZE == 0 for _, _, pred, _ in seen[1:]), seen
     chosen = rig.server_by_id(replicas.pop())
     for srv in rig.servers:
         hits = metric_value(httpx.get(srv.url + "/metrics").text, "vllm:prefix_cache_hits_total")
@@ -225,6 +227,40 @@ def test_cache_aware_routes_a_shared_prefix_to_one_replica_and_vllm_hits(rig):
         after, "kvgate_predicted_cached_tokens_total", policy="cache_aware"
     ) - metric_value(before, "kvgate_predicted_cached_tokens_total", policy="cache_aware")
     assert predicted == sum(pred for _, _, pred, _ in seen)
+
+
+def test_a_shared_prefix_shorter_than_a_vllm_block_is_predicted_as_vllm_counts_it(rig):
+    """vLLM caches whole 128-token blocks: a shorter shared system prompt comes back 0 cached.
+
+    The gateway hashes 256-byte chunks (64 tokens by its estimate), so it holds the prompt's first
+    chunk; counted in hashes it would predict 64 cached tokens for a 0, and cache_aware would learn
+    from every such request that the replica evicts (see ``engine_block_tokens``).
+    """
+    from gateway.features import CHAT, parse_request
+
+    system = "Answer in one short sentence. " * 8  # 240 characters, 115 tokens
+    bodies = [
+        {"model": MODEL_NAME, "max_tokens": 1, "temperature": 0,
+         "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}
+        for q in ("What is a block?", "What is a token?")
+    ]  # fmt: skip
+    hashes = [
+        parse_request(CHAT, json.dumps(b).encode(), {}).features.prefix_hashes for b in bodies
+    ]
+    assert hashes[0][0] == hashes[1][0]  # one shared chunk in the gateway's view
+    only_system = {"model": MODEL_NAME, "messages": [{"role": "system", "content": system}]}
+    shared = httpx.post(rig.servers[0].url + "/tokenize", json=only_system).json()["count"]
+    assert shared < BLOCK_SIZE  # ... and less than one block in vLLM's
+    session = {"x-session-id": "short-" + uuid.uuid4().hex}  # both to one replica
+    seen = []
+    for body in bodies:
+        resp = httpx.post(rig.gateway + "/v1/chat/completions", json=body, headers=session)
+        assert resp.status_code == 200, resp.text
+        cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        predicted = resp.headers["x-kvgate-predicted-cached-tokens"]
+        seen.append((resp.headers["x-kvgate-replica"], cached, predicted))
+    assert seen[0][0] == seen[1][0], seen
+    assert seen[1][1:] == (0, "0"), seen  # vLLM cached nothing, and the gateway said so
 
 
 # --- load scraping of a real /metrics page -------------------------------------------------------

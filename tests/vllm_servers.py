@@ -189,6 +189,7 @@ def start_gateway(urls: list[str], log_dir: str, max_running: int) -> tuple[str,
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
     cmd += ["--policy", "cache_aware", "--policy-param", f"max_running={max_running}"]
+    cmd += ["--policy-param", f"engine_block_tokens={BLOCK_SIZE}"]
     cmd += ["--log-level", "warning"] + [arg for url in urls for arg in ("--replica", url)]
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "KVGATE_HEALTH_INTERVAL_S": "0.3", "PYTHONUNBUFFERED": "1"}
