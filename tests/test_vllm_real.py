@@ -1,6 +1,6 @@
 """kvgate in front of two REAL vLLM servers (CPU build; a tiny random Llama from vllm_model.py).
 
-One session-scoped pair of vLLM servers (prefix caching, prompt-token details, KV events) and one
+One module-scoped pair of vLLM servers (prefix caching, prompt-token details, KV events) and one
 ``kvgate serve`` subprocess in front of them; the official ``openai`` client drives the gateway.
 Skipped only when the vLLM venv is absent (``make test`` makes it: ``make vllm-venv``).
 """
@@ -42,7 +42,7 @@ from tests.vllm_servers import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped as soon as this module is done: 6 GB of memory back
 def rig(tmp_path_factory):
     python = vllm_python()
     if python is None:
@@ -101,8 +101,9 @@ def test_greedy_chat_is_vllms_own_output_through_the_gateway(rig):
         rig.client(s.url).chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY)
         for s in rig.servers
     ]
+    rid = "kvgate-test-" + uuid.uuid4().hex
     raw = rig.client().chat.completions.with_raw_response.create(
-        model=MODEL_NAME, messages=messages, **GREEDY
+        model=MODEL_NAME, messages=messages, extra_headers={"x-request-id": rid}, **GREEDY
     )
     via = raw.parse()
     text = direct[0].choices[0].message.content
@@ -110,8 +111,10 @@ def test_greedy_chat_is_vllms_own_output_through_the_gateway(rig):
     assert via.choices[0].message.content == text
     assert via.usage.completion_tokens == 12 and via.choices[0].finish_reason == "length"
     assert via.usage.prompt_tokens == direct[0].usage.prompt_tokens
-    # vLLM's own body and identity, not a rewrite: its id scheme and fingerprint.
-    assert via.id.startswith("chatcmpl-") and via.system_fingerprint.startswith("vllm-")
+    # vLLM's own body, not a rewrite: its fingerprint, and its id made from the x-request-id
+    # header the gateway passed on (vLLM names a chat completion chatcmpl-<x-request-id>).
+    assert via.system_fingerprint.startswith("vllm-") and via.id == f"chatcmpl-{rid}"
+    assert raw.headers["x-request-id"] == rid
     assert raw.headers["x-kvgate-replica"] in {s.url.split("://")[1] for s in rig.servers}
     assert raw.headers["x-kvgate-policy"] == "cache_aware"
 
@@ -288,6 +291,7 @@ async def test_load_scraper_reads_a_busy_vllm(rig):
             while rep.running < 1:  # vLLM updates its gauges once per engine step
                 assert time.monotonic() < deadline, "vllm:num_requests_running never reached 1"
                 assert await check_replica(http, rep, timeout=5.0)
+                await asyncio.sleep(0.05)
             page = (await http.get(target.url + "/metrics")).text
             parsed = parse_engine_metrics(page)
             assert parsed["running"] == metric_value(page, "vllm:num_requests_running")
