@@ -6,7 +6,12 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip --disable-pip-version-check -q
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test lint system-packages redis-server clean
+.PHONY: demo test lint system-packages redis-server vllm-venv clean
+
+# A real vLLM (CPU build, pinned in tests/vllm-requirements.txt) for tests/test_vllm_real.py, in a
+# venv of its own: it pins its own torch and libraries. torchvision/torchaudio/torchcodec come with
+# it and break `import vllm` on CPU. About 4 minutes from nothing; 3.5 GB.
+VLLM_VENV ?= .venv-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,10 +42,19 @@ system-packages:
 
 redis-server: system-packages
 
+$(VLLM_VENV)/.installed: tests/vllm-requirements.txt
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip --disable-pip-version-check -q install -r tests/vllm-requirements.txt
+	$(VLLM_VENV)/bin/pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
 demo: $(VENV)/.base-installed
 	$(BIN)/kvgate demo
 
-test: $(VENV)/.dev-installed system-packages
+test: $(VENV)/.dev-installed system-packages $(VLLM_VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
@@ -48,4 +62,4 @@ lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info

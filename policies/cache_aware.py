@@ -18,7 +18,9 @@ Algorithm (filter -> score -> pick):
   Below that there is no queue, only interference (``busy_ms_per_request`` per request in flight,
   which also breaks ties toward the less loaded).  ``P`` is the prompt length in tokens and
   ``hit(r) = min(P, matched(r) * tokens_per_hash)`` with ``matched(r)`` the leading prefix hashes
-  the ``PrefixIndex`` says r holds.  A session's earlier turns are in the index under the replica
+  the ``PrefixIndex`` says r holds; with ``engine_block_tokens`` b > 1 it is counted as the
+  engine counts it: ``floor(min(hit, P - 1) / b) * b`` (vLLM caches whole blocks, and computes the
+  prompt's last token again).  A session's earlier turns are in the index under the replica
   they went to, so session affinity is scored as the cache it is, not as a rule.
 * Migration (``migrate``, off by default).  Let ``top = max_r hit(r)``, held by ``h`` (the least
   loaded of the replicas holding it).  A replica r with ``top - hit(r) >= migrate_min_tokens`` can
@@ -63,7 +65,11 @@ sees no queue and only the load bound guards against herding):
 prefill_ms_per_token 0.1, decode_ms_per_token 20, max_running 64, avg_output_tokens 256,
 busy_ms_per_request 2, load_factor 1.25, load_slack 4, tie_ms 100, learn_capacity true; migrate
 false, transfer_ms_per_token 0.01 (an 8B model's 128 KiB of KV per token at 12.5 GB/s),
-transfer_overhead_ms 2, migrate_min_tokens 256.
+transfer_overhead_ms 2, migrate_min_tokens 256, engine_block_tokens 1 (no rounding; set it to the
+engine's block size -- vLLM's --block-size: 16 on GPUs by default, 128 on CPUs -- when its blocks
+are much longer than ``tokens_per_hash``: otherwise a shared prefix shorter than one engine block
+is predicted as cached, reported as 0, and every such request after ``settle_s`` is taken for an
+eviction and shrinks the learned capacity by 10%).
 ``load_slack`` 4 rather than the textbook bound (``load + 1 <= c * (mean + 1)``, i.e. slack
 ``c - 1``): in a simulation of multi-turn sessions on 8 replicas the tight bound moved sessions
 away from their cache at low load (hit rate 0.84 against 0.91, mean TTFT 226 ms against 124 ms)
@@ -96,6 +102,7 @@ class CacheAwareParams:
     transfer_ms_per_token: float = 0.01
     transfer_overhead_ms: float = 2.0
     migrate_min_tokens: int = 256
+    engine_block_tokens: int = 1
 
     def validate(self) -> None:
         if self.prefill_ms_per_token < 0 or self.decode_ms_per_token < 0:
@@ -110,6 +117,8 @@ class CacheAwareParams:
             raise ValueError("transfer costs must be >= 0")
         if self.migrate_min_tokens < 1:
             raise ValueError("migrate_min_tokens must be >= 1")
+        if self.engine_block_tokens < 1:
+            raise ValueError("engine_block_tokens must be >= 1")
         LoadBound(self.load_factor, self.load_slack).validate()
 
 
@@ -173,6 +182,8 @@ class CacheAware(BasePolicy):
         queue_ms = self.queue_ms
         pf = self._p.prefill_ms_per_token
         hits = [min(total, matched.get(r.id, 0) * tph) for r in replicas]
+        if (block := self._p.engine_block_tokens) > 1:  # whole engine blocks, never the last token
+            hits = [max(0, min(h, total - 1)) // block * block for h in hits]
         holder, top = self._holder(replicas, loads, hits)
         tie = self._p.tie_ms
         scored: list[_Score] = []

@@ -13,24 +13,19 @@ import pytest
 
 from gateway.sim.model import expected_text
 from gateway.sim.tokenizer import render_chat_prompt
-from tests.topology import free_port, free_port_block, wait_ready
+from tests.topology import free_port, free_port_block, spawn_ready
 
 LONG_SYSTEM = "You are kvgate's demo assistant. Answer briefly and cite the manual. " * 40
 
 
 def _start_demo():
     port, sim_port = free_port(), free_port_block(3)
-    proc = subprocess.Popen(
+    base = f"http://127.0.0.1:{port}"
+    proc = spawn_ready(
         [sys.executable, "-m", "gateway.cli", "demo", "--port", str(port), "--sim-port", str(sim_port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        base + "/ready", timeout=60, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base + "/ready", timeout=60)
-    except BaseException:
-        proc.kill()
-        raise
     return base, proc
 
 

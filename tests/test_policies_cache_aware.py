@@ -259,6 +259,41 @@ def test_shortfall_on_a_prefix_still_being_computed_teaches_nothing(deps: Policy
     assert deps.index.capacity(d2.replica) == deps.index.default_capacity
 
 
+@pytest.mark.parametrize("engine_block_tokens", [1, 4 * TPH])
+def test_prefix_shorter_than_an_engine_block_is_not_taken_for_an_eviction(
+    deps: PolicyDeps, engine_block_tokens: int
+) -> None:
+    """An engine with 4-hash blocks caches nothing of a 2-hash shared prefix (it reports 0)."""
+    pol = build(deps, engine_block_tokens=engine_block_tokens)
+    for k in range(10):
+        deps.index.insert("r0", doc(f"d{k}-", 50), now=0.0)
+    system = doc("sys", 2)
+    deps.index.insert("r0", system, now=0.0)
+    deps.clock.t = 60.0  # type: ignore[attr-defined]
+    req = feat(system + doc("question", 1))
+    d = route(pol, req, view(0))
+    deps.clock.t = 61.0  # type: ignore[attr-defined]
+    predicted = d.predicted_cached_tokens
+    out = Outcome(ok=True, cached_tokens=0, latency_s=1.0, predicted_cached_tokens=predicted)
+    pol.on_complete(req, "r0", out)
+    if engine_block_tokens == 1:  # counted in hashes: a miss, taken for an eviction
+        assert d.predicted_cached_tokens == 2 * TPH
+        assert deps.index.capacity("r0") < deps.index.default_capacity
+    else:  # counted in engine blocks: predicted 0 as reported, nothing learned
+        assert d.predicted_cached_tokens == 0
+        assert deps.index.capacity("r0") == deps.index.default_capacity
+
+
+def test_engine_blocks_round_down_and_leave_the_last_token(deps: PolicyDeps) -> None:
+    pol = build(deps, engine_block_tokens=2 * TPH)
+    deps.index.insert("r0", doc("p", 5))
+    assert pol.select(feat(doc("p", 7)), view(0)).predicted_cached_tokens == 4 * TPH
+    whole = feat(doc("p", 4))  # all 4 hashes held: the engine still computes the last token
+    assert pol.select(whole, view(0)).predicted_cached_tokens == 2 * TPH
+    with pytest.raises(ValueError):
+        build(deps, engine_block_tokens=0)
+
+
 def test_learning_can_be_switched_off_and_needs_a_prediction(deps: PolicyDeps) -> None:
     deps.index.insert("r0", doc("d", 50))
     req = feat(doc("d", 50))

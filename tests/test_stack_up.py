@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -33,7 +32,7 @@ from gateway.up import (
     select_services,
     start_order,
 )
-from tests.topology import free_port_block, wait_ready
+from tests.topology import free_port_block, poll_until, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
@@ -153,18 +152,6 @@ def _prom_query(base: str, expr: str) -> dict:
     return body["data"]
 
 
-def _poll(fn, timeout: float, what: str):
-    """Poll ``fn`` until it returns a truthy value (a scrape landing, not ordering our own events)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not seen after {timeout}s: last {value!r}")
-        time.sleep(0.25)
-
-
 @pytest.mark.slow
 def test_kvgate_up_runs_the_compose_topology(tmp_path, services):
     has_nginx, has_prometheus, has_redis = need("nginx"), need("prometheus"), need("redis-server")
@@ -179,7 +166,7 @@ def test_kvgate_up_runs_the_compose_topology(tmp_path, services):
         wait_ready(entry + "/ready", timeout=90)
         if has_prometheus:
             wait_ready(url["prometheus"] + "/-/ready", timeout=60)
-        _poll(lambda: "kvgate up is ready" in log.read_text(), 60, "the ready banner")
+        poll_until(lambda: "kvgate up is ready" in log.read_text(), 60, "the ready banner", 0.25)
         out = log.read_text()
         assert f"OpenAI base URL: {entry}/v1" in out
         assert re.search(r"^  grafana\s+skipped: needs image grafana/", out, re.M), out
@@ -239,9 +226,13 @@ def test_kvgate_up_runs_the_compose_topology(tmp_path, services):
                 result = _prom_query(prom, expr)["result"]
                 return result if len({r["metric"]["instance"] for r in result}) >= want else None
 
-            gateways = _poll(lambda: scraped("kvgate_requests_total", 2), 30, "kvgate_requests_total")
+            gateways = poll_until(
+                lambda: scraped("kvgate_requests_total", 2), 30, "kvgate_requests_total", 0.25
+            )
             assert {r["metric"]["job"] for r in gateways} == {"kvgate"}
-            running = _poll(lambda: scraped("vllm:num_requests_running", 3), 30, "vllm:num_requests_running")
+            running = poll_until(
+                lambda: scraped("vllm:num_requests_running", 3), 30, "vllm:num_requests_running", 0.25
+            )
             assert {r["metric"]["instance"] for r in running} == {url[f"replica-{i}"].split("://")[1] for i in (1, 2, 3)}
             targets = httpx.get(prom + "/api/v1/targets").json()["data"]["activeTargets"]
             assert {t["labels"]["job"] for t in targets} == {"kvgate", "replicas", "prometheus"}

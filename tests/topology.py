@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -67,6 +68,31 @@ def wait_ready(url: str, timeout: float = 60.0) -> None:
             last = exc
         time.sleep(0.1)
     raise TimeoutError(f"{url} not ready after {timeout}s: {last!r}")
+
+
+def poll_until(fn, timeout: float, what: str, interval: float = 0.05):
+    """Poll ``fn`` until it returns a truthy value, and return it (state another process shows us:
+    a scrape landing, a server's counters; not the order of our own events)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not seen after {timeout}s: last {value!r}")
+        time.sleep(interval)
+
+
+def spawn_ready(cmd: list[str], ready_url: str, timeout: float = 60.0, **popen) -> subprocess.Popen:
+    """Start ``cmd`` and wait until ``ready_url`` answers 200; kill it if it never does."""
+    proc = subprocess.Popen(cmd, **popen)
+    try:
+        wait_ready(ready_url, timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait(timeout=10)
+        raise
+    return proc
 
 
 @dataclass
