@@ -218,14 +218,20 @@ def test_cache_aware_routes_a_shared_prefix_to_one_replica_and_vllm_hits(rig):
         else:
             assert hits == engine_hits[srv.url]  # the other replica never saw the prefix
 
+    last_delta = []
+
     def counted():  # the gateway records the outcome after the response: poll until it is in
         text = httpx.get(rig.gateway + "/metrics").text
         delta = metric_value(
             text, "kvgate_actual_cached_tokens_total", policy="cache_aware"
         ) - metric_value(before, "kvgate_actual_cached_tokens_total", policy="cache_aware")
+        last_delta[:] = [delta]
         return text if delta == sum(cached) else None
 
-    after = poll_until(counted, 30, "actual cached tokens in the gateway's /metrics")
+    try:
+        after = poll_until(counted, 30, "actual cached tokens in the gateway's /metrics")
+    except TimeoutError as exc:
+        raise AssertionError(f"gateway counted {last_delta} cached tokens, vLLM said {seen}") from exc
     predicted = metric_value(
         after, "kvgate_predicted_cached_tokens_total", policy="cache_aware"
     ) - metric_value(before, "kvgate_predicted_cached_tokens_total", policy="cache_aware")
