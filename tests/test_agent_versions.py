@@ -1,14 +1,17 @@
-"""Per-block versions: on the wire (framing, TCP) and in the store's write path."""
+"""Per-block versions: on the wire (framing, TCP), in the store's write path, between real agents."""
 
 from __future__ import annotations
 
 import itertools
+import random
 
+import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("zmq")
 
+from tests.test_agent_service import Running, chain, config, same, tensors  # noqa: E402
 from worker_agent.blockfmt import Block  # noqa: E402
 from worker_agent.errors import ProtocolError  # noqa: E402
 from worker_agent.migration import UNVERSIONED, Version  # noqa: E402
@@ -107,3 +110,42 @@ async def test_versions_travel_with_fetch_and_push_over_tcp():
         assert await client.push(server.address, dst.export_blocks([2])) == 0  # a duplicate
         assert src.totals.duplicate == 1
     await client.close()
+
+
+async def test_a_stale_push_between_agents_is_refused_and_counted():
+    keys, old, new = chain(7, 3), tensors(7, 3), tensors(8, 3)
+    async with Running(config("a"), config("b")) as run:
+        a, b = run.agents
+        ha, hb = run.http
+        a.write([Block(k, t) for k, t in zip(keys, old, strict=True)])  # version (1, "a")
+        b.write([Block(k, t) for k, t in zip(keys, old, strict=True)])
+        b.write([Block(k, t) for k, t in zip(keys, new, strict=True)])  # version (2, "b")
+        pushed = (await ha.post("/v1/push", json={"peer": b.data_address, "hashes": keys})).json()
+        assert pushed["sent"] == 3 and pushed["stored_by_peer"] == 0
+        assert all(same(b.store.get(k), t) for k, t in zip(keys, new, strict=True))
+        versions = (await hb.get("/v1/stats")).json()["versions"]
+        assert versions["stale"] == 3 and versions["stored"] == 0
+        pulled = (await ha.post("/v1/pull", json={"peer": b.data_address, "hashes": keys})).json()
+        assert pulled["stored"] == 3 and pulled["stale"] == 0  # a takes b's newer blocks
+        assert all(same(a.store.get(k), t) for k, t in zip(keys, new, strict=True))
+        assert {a.blocks.version(k) for k in keys} == {Version(2, "b")}
+
+
+async def test_concurrent_writers_converge_across_real_agents():
+    keys = chain(9, 2)
+    rng = random.Random(9)
+    async with Running(config("a"), config("b"), config("c")) as run:
+        agents = {a.config.name: a for a in run.agents}
+        for i, agent in enumerate(run.agents):  # a: once, b: twice, c: once -> (2, "b") wins
+            for n in range(1 + (agent.config.name == "b")):
+                agent.write([Block(k, torch.full((8,), float(10 * i + n))) for k in keys])
+        pairs = list(itertools.permutations(agents, 2))
+        rng.shuffle(pairs)
+        async with httpx.AsyncClient(timeout=10) as http:
+            for src, dst in pairs:
+                url = f"http://127.0.0.1:{agents[src].config.port}/v1/push"
+                body = {"peer": agents[dst].data_address, "hashes": keys}
+                assert (await http.post(url, json=body)).status_code == 200
+        for agent in run.agents:
+            assert {agent.blocks.version(k) for k in keys} == {Version(2, "b")}
+            assert all(float(agent.store.get(k)[0]) == 11.0 for k in keys)

@@ -66,15 +66,18 @@ class VersionedBlocks:
 
     # -- writes ----------------------------------------------------------------------------------
     def write(self, blocks: Sequence[Block], *, tier: int = 0) -> list[Version]:
-        """Local (re)writes: each block gets a version above every one seen for it (copied in)."""
+        """Local (re)writes of a chain, as ``KVBlockStore.put_blocks`` (block i's parent defaults
+        to block i-1; stored tail first): each block gets a version above every one seen for it."""
         out = []
         with self._lock:
-            for b in blocks:
-                version = self.versions.bump(b.key)
+            for i in reversed(range(len(blocks))):
+                b = blocks[i]
+                if b.parent is None and i > 0:
+                    b = b._replace(parent=blocks[i - 1].key)
+                out.append(self.versions.bump(b.key))
                 self._replace(b, tier, copy=True)
-                out.append(version)
             self._maybe_prune()
-        return out
+        return out[::-1]
 
     def apply(self, blocks: Iterable[Block], *, tier: int = 0) -> ApplyCounts:
         """Copies from a peer: each is stored iff its version beats the held one (handed over)."""
