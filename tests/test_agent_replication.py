@@ -214,6 +214,23 @@ async def test_hits_decay_and_the_loop_runs_on_its_trigger():
             await asyncio.gather(loop, return_exceptions=True)
 
 
+async def test_a_started_agent_with_peers_runs_its_own_loop():
+    clock = Clock()
+    keys, values = chain(6, 3), tensors(6, 3)
+    async with Cluster("ab", clock, k=2, interval_s=0.01) as cl:
+        a = cl.agents["a"]
+        write(a, keys, values)
+        await cl.lookup("a", keys, times=3)
+
+        async def replicated() -> None:
+            async with a.replicator.round_done:
+                await a.replicator.round_done.wait_for(lambda: cl.holders(keys) == {"a", "b"})
+
+        await asyncio.wait_for(replicated(), 10)  # rounds come from the agent's own loop
+        assert a.replicator.stats.rounds >= 1 and a.replicator.stats.failed_rounds == 0
+    assert a._loop.done()  # closing the agent stopped it
+
+
 def test_kvgate_agent_options_configure_replication():
     args = build_parser().parse_args(
         ["agent", "--peer", "http://10.0.0.2:8100", "--peer", "http://10.0.0.3:8100",
