@@ -79,6 +79,24 @@ class Cluster:
             await group.stop()
 
 
+async def hit_on_a(cl: Cluster, seed: int, n: int, *, hits: int) -> list[int]:
+    """A chain of ``n`` blocks written on agent a and looked up there ``hits`` times."""
+    keys = chain(seed, n)
+    write(cl.agents["a"], keys, tensors(seed, n))
+    await cl.lookup("a", keys, times=hits)
+    return keys
+
+
+async def after_round(agent: AgentService, done) -> None:
+    """Wait (10 s at most) until ``done()`` holds after one of the agent's loop rounds."""
+
+    async def wait() -> None:
+        async with agent.replicator.round_done:
+            await agent.replicator.round_done.wait_for(done)
+
+    await asyncio.wait_for(wait(), 10)
+
+
 def write(agent: AgentService, keys: list[int], values: list[torch.Tensor]) -> None:
     agent.write([Block(k, v) for k, v in zip(keys, values, strict=True)])
 
@@ -186,47 +204,28 @@ async def test_a_round_respects_its_budget(budget):
 
 async def test_hits_decay_and_the_loop_runs_on_its_trigger():
     clock = Clock()
-    keys, values = chain(5, 2), tensors(5, 2)
     async with Cluster("ab", clock, k=2, half_life_s=10.0) as cl:
-        a = cl.agents["a"]
-        write(a, keys, values)
-        await cl.lookup("a", keys, times=4)
+        a, keys = cl.agents["a"], await hit_on_a(cl, 5, 2, hits=4)
         clock.now += 30.0  # 4 hits decayed by 2**3: 0.5 < min_rate 3
         ticks: asyncio.Queue = asyncio.Queue()
         loop = asyncio.ensure_future(a.replicator.run(ticks.get))
         try:
-
-            async def round_() -> None:
-                async with a.replicator.round_done:
-                    before = a.replicator.stats.rounds
-                    ticks.put_nowait(None)
-                    await a.replicator.round_done.wait_for(
-                        lambda: a.replicator.stats.rounds > before
-                    )
-
-            await asyncio.wait_for(round_(), 10)
-            assert cl.holders(keys) == {"a"} and a.replicator.stats.hot == 0  # cooled down
-            await cl.lookup("a", keys, times=3)
-            await asyncio.wait_for(round_(), 10)
-            assert cl.holders(keys) == {"a", "b"}
+            for hits, holders in ((0, {"a"}), (3, {"a", "b"})):  # cooled down, then hot again
+                if hits:
+                    await cl.lookup("a", keys, times=hits)
+                rounds = a.replicator.stats.rounds
+                ticks.put_nowait(None)
+                await after_round(a, lambda r=rounds: a.replicator.stats.rounds > r)
+                assert cl.holders(keys) == holders and a.replicator.stats.hot == len(holders) - 1
         finally:
             loop.cancel()
             await asyncio.gather(loop, return_exceptions=True)
 
 
 async def test_a_started_agent_with_peers_runs_its_own_loop():
-    clock = Clock()
-    keys, values = chain(6, 3), tensors(6, 3)
-    async with Cluster("ab", clock, k=2, interval_s=0.01) as cl:
-        a = cl.agents["a"]
-        write(a, keys, values)
-        await cl.lookup("a", keys, times=3)
-
-        async def replicated() -> None:
-            async with a.replicator.round_done:
-                await a.replicator.round_done.wait_for(lambda: cl.holders(keys) == {"a", "b"})
-
-        await asyncio.wait_for(replicated(), 10)  # rounds come from the agent's own loop
+    async with Cluster("ab", Clock(), k=2, interval_s=0.01) as cl:
+        a, keys = cl.agents["a"], await hit_on_a(cl, 6, 3, hits=3)
+        await after_round(a, lambda: cl.holders(keys) == {"a", "b"})  # the agent's own loop
         assert a.replicator.stats.rounds >= 1 and a.replicator.stats.failed_rounds == 0
     assert a._loop.done()  # closing the agent stopped it
 
