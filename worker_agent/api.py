@@ -4,15 +4,20 @@ Routes::
 
     GET  /health      {"status": "ok", "name", "data_address", "events_endpoint"}
     GET  /v1/stats    store per tier, events (endpoint, next seq), transfers, shared-store sink
-    POST /v1/lookup   {"hashes": [h, ...]}
+    POST /v1/lookup   {"hashes": [h, ...], "count_hit": true}
                       -> {"tiers": ["GPU" | "CPU" | "DISK" | null, ...], "prefix_blocks": n,
-                          "held": m}   (prefix_blocks: leading hashes held, in any tier)
+                          "held": m}   (prefix_blocks: leading hashes held, in any tier; they
+                          count as a hit on that prefix for replication unless count_hit=false)
     POST /v1/pull     {"peer": "host:port", "hashes": [...], "prefix": true, "tier": "GPU"}
-                      -> {"requested", "received", "stored", "rejected", "missing", "bytes",
-                          "seconds"}   fetch from the peer agent's data port into this store
+                      -> {"requested", "received", "stored", "rejected", "stale", "missing",
+                          "bytes", "seconds"}   fetch from the peer agent's data port into this
+                          store (a copy older than the held block is refused: "stale")
                           (prefix=true stops at the first block the peer lacks)
     POST /v1/push     {"peer": "host:port", "hashes": [...]}
                       -> {"requested", "sent", "stored_by_peer", "missing", "bytes", "seconds"}
+    POST /v1/replicate {}  -> run one hot-prefix replication round now:
+                          {"alive", "hot", "pushed": [{"prefix", "dst", "blocks"}], "deferred",
+                           "failed", "lost"}   (prefixes as hex strings)
 
 A hash is a uint64, as a JSON integer or a hex string (``"0x..."``, for clients whose numbers are
 doubles).  ``peer`` is the other agent's data address (its ``/health`` ``data_address``).
@@ -32,6 +37,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .errors import AgentError, TransferTimeout, TransportError
+from .replication import RoundReport
 from .service import AgentService
 
 _U64 = (1 << 64) - 1
@@ -103,6 +109,20 @@ def _flag(data: dict, key: str, default: bool) -> bool:
     return value
 
 
+def round_json(report: RoundReport) -> dict:
+    def copies(items) -> list[dict]:
+        return [{"prefix": hex(c.prefix), "dst": c.dst, "blocks": c.blocks} for c in items]
+
+    return {
+        "alive": list(report.alive),
+        "hot": len(report.rates),
+        "pushed": copies(report.pushed),
+        "deferred": copies(report.deferred),
+        "failed": copies(report.failed),
+        "lost": [hex(p) for p in report.plan.lost],
+    }
+
+
 def build_app(agent: AgentService) -> Starlette:
     """The control API of ``agent``; the app's lifespan starts and closes the agent."""
     limit = agent.config.max_hashes
@@ -119,7 +139,8 @@ def build_app(agent: AgentService) -> Starlette:
 
     async def lookup(request: Request) -> Response:
         data = await _body(request)
-        return _json(agent.lookup(parse_hashes(data, limit)))
+        hashes = parse_hashes(data, limit)
+        return _json(agent.lookup(hashes, count_hit=_flag(data, "count_hit", True)))
 
     async def pull(request: Request) -> Response:
         data = await _body(request)
@@ -137,6 +158,9 @@ def build_app(agent: AgentService) -> Starlette:
     async def push(request: Request) -> Response:
         data = await _body(request)
         return _json(await agent.push(parse_peer(data), parse_hashes(data, limit)))
+
+    async def replicate(request: Request) -> Response:
+        return _json(round_json(await agent.replicator.replicate_once(agent.clock())))
 
     async def api_error(request: Request, exc: ApiError) -> Response:
         return _error(exc.status, str(exc), exc.code)
@@ -166,6 +190,7 @@ def build_app(agent: AgentService) -> Starlette:
         Route("/v1/lookup", lookup, methods=["POST"]),
         Route("/v1/pull", pull, methods=["POST"]),
         Route("/v1/push", push, methods=["POST"]),
+        Route("/v1/replicate", replicate, methods=["POST"]),
     ]
     handlers = {ApiError: api_error, HTTPException: http_error, AgentError: agent_error}
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

@@ -37,6 +37,7 @@ import torch
 import xxhash
 
 from .errors import BlockFormatError, ChecksumMismatch
+from .migration import Version
 
 MAGIC = b"KVB1"
 VERSION = 1
@@ -65,13 +66,15 @@ class Block(NamedTuple):
     """A block in flight: key, tensor, parent's key and, when known, its payload checksum.
 
     A known checksum (e.g. from ``KVBlockStore.export``) spares senders a hashing pass; receivers
-    verify it, so a wrong one is caught, not propagated.
+    verify it, so a wrong one is caught, not propagated.  ``version``: the block's
+    ``migration.Version`` when it travels with one (replication; see ``transport.framing``).
     """
 
     key: int
     tensor: torch.Tensor
     parent: int | None = None
     checksum: int | None = None
+    version: Version | None = None
 
 
 def checksum(payload: memoryview | bytes) -> int:

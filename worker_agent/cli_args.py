@@ -31,13 +31,32 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-dir", default=None, help="disk tier folder")
     p.add_argument("--device", default=None,
                    help="device of the GPU tier (default cuda when present, else cpu)")
+    r = p.add_argument_group("hot-prefix replication")
+    r.add_argument("--peer", action="append", default=[], metavar="URL",
+                   help="another agent's control API, e.g. http://10.0.0.2:8100 (repeat; the "
+                   "same list on every agent is fine: an agent skips itself)")  # fmt: skip
+    for flag, kind, default, text in (
+        ("--replicate-interval", float, 5.0, "seconds between replication rounds, 0: off"),
+        ("--replicate-k", int, 2, "nodes a hot prefix should live on"),
+        ("--replicate-min-rate", float, 4.0, "decayed hits that make a prefix hot"),
+        ("--replicate-half-life", float, 60.0, "half-life of hit counts, seconds"),
+        ("--replicate-max-blocks", int, 4096, "blocks pushed per round at most"),
+        ("--replicate-max-mib", float, 1024.0, "MiB pushed per round at most"),
+    ):
+        r.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
     p.add_argument("--log-level", default="warning")
 
 
 def agent_config_from_args(args: argparse.Namespace):
     """An :class:`~worker_agent.service.AgentConfig` (raises ``ValueError`` when invalid)."""
+    from .replication import ReplicationConfig
     from .service import AgentConfig
 
+    replication = ReplicationConfig(
+        k=args.replicate_k, min_rate=args.replicate_min_rate,
+        half_life_s=args.replicate_half_life, interval_s=args.replicate_interval,
+        max_blocks=args.replicate_max_blocks, max_bytes=int(args.replicate_max_mib * (1 << 20)),
+    )  # fmt: skip
     events = None if args.events.lower() in ("", "none", "off") else args.events
     return AgentConfig(
         name=args.name,
@@ -56,6 +75,8 @@ def agent_config_from_args(args: argparse.Namespace):
         disk_bytes=int(args.disk_gib * _GIB),
         disk_dir=args.disk_dir,
         device=args.device,
+        peers=tuple(args.peer),
+        replication=replication,
     )
 
 

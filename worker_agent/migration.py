@@ -191,6 +191,9 @@ class HotPrefixes:
     def __len__(self) -> int:
         return len(self._hits)
 
+    def __contains__(self, prefix: Hashable) -> bool:
+        return prefix in self._hits
+
 
 def _seed(prefix: Hashable) -> int:
     if isinstance(prefix, int):
@@ -290,6 +293,9 @@ class Version:
 
     counter: int
     writer: str = ""
+
+
+UNVERSIONED = Version(0)  # a block no writer versioned (e.g. put straight into a store): the lowest
 
 
 @dataclass

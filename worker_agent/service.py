@@ -5,8 +5,13 @@
 * ``store``: a :class:`~worker_agent.store.KVBlockStore` whose events feed the publisher;
 * ``publisher``: vLLM-format KV events over ZMQ (:mod:`worker_agent.publisher`), with the
   shared-store sink (:mod:`worker_agent.shared`) as a listener when a Redis URL is configured;
+* ``blocks``: the store's write path with per-block versions (:mod:`worker_agent.versioned`):
+  local writes bump a block's version, copies from peers apply only when newer;
 * ``server``: the data port, a :class:`~worker_agent.transport.tcp.TcpBlockServer` peers fetch
-  from and push to; ``transport``: the client side used by pull/push.
+  from and push to (versions ride along); ``transport``: the client side used by pull/push;
+* ``replicator``: hot-prefix replication (:mod:`worker_agent.replication`): lookups and loads
+  that hit record the prefix; with peers and ``replication.interval_s`` > 0 a loop pushes hot
+  prefixes to ``k`` nodes every interval.
 
 The HTTP control API (:mod:`worker_agent.api`) calls the methods below; each returns plain data.
 On start the publisher first announces everything the store already holds (a reopened disk
@@ -16,16 +21,21 @@ tier), so a subscriber that joins later can ask the replay socket for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import torch
 
 from .blockfmt import Block
-from .errors import CapacityError
-from .migration import RateEstimator
+from .migration import RateEstimator, Version
 from .publisher import KvEventPublisher
+from .replication import ReplicationConfig, Replicator
 from .store import KVBlockStore
 from .transport.tcp import TcpBlockServer, TcpTransport
+from .versioned import VersionedBlocks
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,8 @@ class AgentConfig:
     transfer_timeout_s: float = 30.0
     bandwidth_prior: float = 1e9  # bytes/s before the first measured transfer
     max_hashes: int = 65_536  # per API request
+    peers: tuple[str, ...] = ()  # other agents' control-API URLs (replication)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
     def __post_init__(self) -> None:
         if self.redis_url and not self.replica_id:
@@ -104,13 +116,21 @@ class AgentService:
             gpu_bytes=config.gpu_bytes, cpu_bytes=config.cpu_bytes, disk_bytes=config.disk_bytes,
             disk_dir=config.disk_dir, gpu_device=config.device, on_events=self.publisher.sink,
         )  # fmt: skip
+        self.blocks = VersionedBlocks(self.store, config.name)
         self.server = TcpBlockServer(
-            self.store, config.data_host, config.data_port, timeout=config.transfer_timeout_s
-        )
+            self.store, config.data_host, config.data_port, timeout=config.transfer_timeout_s,
+            export=self.blocks.export, accept=self.blocks.accept,
+        )  # fmt: skip
         self.transport = TcpTransport(timeout=config.transfer_timeout_s, alloc=self.store.landing)
         self.bandwidth = RateEstimator(config.bandwidth_prior)
         self.transfers = TransferStats()
         self.mediums = tuple(t.medium for t in self.store.tiers)
+        self.http = httpx.AsyncClient()
+        self.replicator = Replicator(
+            config.name, self.store, self.push, self.http, config.peers, config.replication,
+            clock=clock, max_hashes=config.max_hashes,
+        )  # fmt: skip
+        self._loop: asyncio.Task | None = None
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -124,10 +144,17 @@ class AgentService:
         except BaseException:
             await self.publisher.close()
             raise
+        if self.config.peers and self.config.replication.interval_s > 0:
+            self._loop = asyncio.ensure_future(self.replicator.run())
         self._started = True
         return self
 
     async def close(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+        await self.http.aclose()
         await self.server.close()
         await self.transport.close()
         await self.publisher.close()
@@ -146,15 +173,29 @@ class AgentService:
         except ValueError:
             raise ValueError(f"unknown tier {medium!r}; tiers: {list(self.mediums)}") from None
 
-    def lookup(self, hashes: Sequence[int]) -> dict:
+    def lookup(self, hashes: Sequence[int], *, count_hit: bool = True) -> dict:
+        """Where each hash is held; the held leading run counts as a hit unless ``count_hit``
+        is false (replication probes)."""
         where = self.store.locate(hashes)
         tiers = [None if t is None else self.mediums[t] for t in where]
         prefix = next((i for i, t in enumerate(where) if t is None), len(where))
+        if count_hit:
+            self.replicator.hit(hashes[:prefix])
         return {
             "tiers": tiers,
             "prefix_blocks": prefix,
             "held": sum(t is not None for t in where),
         }
+
+    def load(self, hashes: Sequence[int]) -> list[torch.Tensor]:
+        """Tensors of the longest held run of ``hashes`` (promoted); a hit on that prefix."""
+        found = self.store.get_prefix(hashes)
+        self.replicator.hit(hashes[: len(found)])
+        return found
+
+    def write(self, blocks: Sequence[Block], *, tier: int = 0) -> list[Version]:
+        """Local writes (e.g. an engine's new KV blocks): each gets a version above any seen."""
+        return self.blocks.write(blocks, tier=tier)
 
     async def pull(self, peer: str, hashes: Sequence[int], *, prefix: bool, tier: int) -> dict:
         """Fetch ``hashes`` from ``peer``'s data port and store them locally."""
@@ -167,7 +208,7 @@ class AgentService:
         seconds = self.clock() - started
         nbytes = sum(b.tensor.nbytes for b in blocks)
         self.bandwidth.observe(nbytes, seconds)
-        stored, rejected = await asyncio.to_thread(self._store_blocks, blocks, tier)
+        counts = await asyncio.to_thread(self.blocks.apply, blocks, tier=tier)
         got = {b.key for b in blocks}
         s = self.transfers
         s.pulls += 1
@@ -176,36 +217,17 @@ class AgentService:
         return {
             "requested": len(hashes),
             "received": len(blocks),
-            "stored": stored,
-            "rejected": rejected,
+            "stored": counts.stored,
+            "rejected": counts.rejected,
+            "stale": counts.stale,
             "missing": [h for h in hashes if h not in got],
             "bytes": nbytes,
             "seconds": seconds,
         }
 
-    def _store_blocks(self, blocks: list[Block], tier: int) -> tuple[int, int]:
-        stored = rejected = 0
-        for b in blocks:
-            try:
-                stored += self.store.put(
-                    b.key, b.tensor, parent=b.parent, tier=tier, copy=False, checksum=b.checksum
-                )
-            except CapacityError:
-                rejected += 1
-        return stored, rejected
-
-    def _export(self, hashes: Sequence[int]) -> list[Block]:
-        out = []
-        for key in hashes:
-            item = self.store.export(key)
-            if item is not None:
-                header, tensor = item
-                out.append(Block(key, tensor, header.parent, header.checksum))
-        return out
-
     async def push(self, peer: str, hashes: Sequence[int]) -> dict:
         """Send the blocks among ``hashes`` this agent holds to ``peer``'s store."""
-        blocks = await asyncio.to_thread(self._export, hashes)
+        blocks = await asyncio.to_thread(self.blocks.export_blocks, hashes)
         started = self.clock()
         try:
             accepted = await self.transport.push(peer, blocks) if blocks else 0
@@ -255,6 +277,16 @@ class AgentService:
                 "published": pub.events_published,
             },
             "transfers": {**asdict(self.transfers), "bandwidth_Bps": self.bandwidth.rate},
+            "versions": {
+                "tracked": len(self.blocks.versions.versions),
+                **asdict(self.blocks.totals),
+            },
+            "replication": {
+                "peers": list(self.replicator.peers),
+                "k": self.config.replication.k,
+                "tracked_prefixes": len(self.replicator.chains),
+                **asdict(self.replicator.stats),
+            },
             "shared": None
             if self.shared is None
             else {

@@ -210,6 +210,12 @@ class KVBlockStore:
         with self._lock:
             return [self.placement.tier_of(k) for k in keys]
 
+    def sizes(self, keys: Iterable[int]) -> list[int | None]:
+        """Payload bytes of each key (None when absent); no side effects."""
+        with self._lock:
+            p = self.placement
+            return [p.size_of(k) if k in p else None for k in keys]
+
     def __contains__(self, key: int) -> bool:
         return key in self.placement
 

@@ -8,13 +8,19 @@ Every message starts with a 16-byte frame header (little-endian)::
       5    1  flags (``FLAG_PREFIX``: FETCH stops at the first missing key)
       6    2  reserved, 0
       8    4  count: keys (FETCH), blocks that follow (PUSH, BLOCKS), blocks stored/sent (ACK)
-     12    4  body length: bytes of body that follow the header (keys, error text), else 0
+     12    4  body length: bytes of body that follow the header (keys, versions, error text)
 
 Exchanges (one at a time per connection; a connection is reused for many):
 
 * ``FETCH(count=n, body=n x uint64 keys)`` -> ``BLOCKS(count=k)`` + k blocks, repeated, then
   ``ACK(count=total)``; or ``ERROR(body=utf-8 text)`` at any frame boundary.
 * ``PUSH(count=n)`` + n blocks -> ``ACK(count=stored)`` or ``ERROR``.
+
+``BLOCKS`` and ``PUSH`` may carry a body: the version of each of their blocks, in order
+(``migration.Version``), each ``uint64 counter, uint8 n, n bytes utf-8 writer``; ``(0, "")`` is
+"unversioned", and an empty body means every block is.  The versions ride in the frame rather than
+in the block header because the block format is also the disk format and the same bytes every
+transport moves; versions are the replication protocol's business.
 
 A block on the wire is exactly the ``blockfmt`` serialisation: an 80-byte header (key, dtype,
 shape, payload length, xxh3_64 payload checksum) followed by the payload, so blocks are
@@ -29,6 +35,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..errors import ProtocolError
+from ..migration import UNVERSIONED, Version
 
 MAGIC = b"KVT1"
 _FRAME = struct.Struct("<4sBBHII")
@@ -82,6 +89,42 @@ def unpack_keys(body: bytes | bytearray | memoryview, count: int) -> list[int]:
     if len(body) != 8 * count:
         raise ProtocolError(f"{count} keys need {8 * count} bytes, got {len(body)}")
     return list(struct.unpack(f"<{count}Q", body))
+
+
+_VERSION = struct.Struct("<QB")
+
+
+def pack_versions(versions: Sequence[Version | None]) -> bytes:
+    """The body of a ``BLOCKS``/``PUSH`` frame; empty when no block has a version."""
+    if all(v is None or v == UNVERSIONED for v in versions):
+        return b""
+    out = bytearray()
+    for v in versions:
+        v = v or UNVERSIONED
+        writer = v.writer.encode()
+        if len(writer) > 255 or not 0 <= v.counter < 1 << 64:
+            raise ProtocolError(f"version {v} does not fit the wire format")
+        out += _VERSION.pack(v.counter, len(writer)) + writer
+    return bytes(out)
+
+
+def unpack_versions(body: bytes | bytearray | memoryview, count: int) -> list[Version]:
+    """Versions of ``count`` blocks (all unversioned for an empty body)."""
+    if not body:
+        return [UNVERSIONED] * count
+    out, pos, view = [], 0, memoryview(body)
+    try:
+        for _ in range(count):
+            counter, n = _VERSION.unpack_from(view, pos)
+            pos += _VERSION.size + n
+            if pos > len(view):
+                raise ProtocolError("truncated version body")
+            out.append(Version(counter, bytes(view[pos - n : pos]).decode()))
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"malformed version body: {exc}") from exc
+    if pos != len(view):
+        raise ProtocolError(f"version body has {len(view) - pos} trailing bytes")
+    return out
 
 
 def fetch_message(keys: Sequence[int], *, prefix: bool = False) -> bytes:

@@ -8,6 +8,11 @@ payload in one vectored call) and receives are ``recv_into`` the destination ten
 ``recv_chunk`` bytes that are hashed while still in cache.  Backpressure is the kernel's: a send
 waits for writability before continuing.  Every exchange runs under a timeout; a connection that
 failed or timed out is closed, never reused.
+
+Versions (``framing``): blocks travel with their ``Block.version``.  The server exports through its
+``export(key) -> (header, tensor, version) | None`` callable (default: ``store.export``, no
+version) and hands pushed blocks, versions attached, to its ``accept(blocks) -> stored`` callable
+(default: plain ``store.put``), which decides what a copy may overwrite.
 """
 
 from __future__ import annotations
@@ -25,7 +30,17 @@ from ..errors import (
     RemoteError,
     TransferTimeout,
 )
-from .framing import FLAG_PREFIX, Frame, Op, error_message, fetch_message, pack_frame, unpack_keys
+from .framing import (
+    FLAG_PREFIX,
+    Frame,
+    Op,
+    error_message,
+    fetch_message,
+    pack_frame,
+    pack_versions,
+    unpack_keys,
+    unpack_versions,
+)
 from .sockio import (
     Alloc,
     BlockReceiver,
@@ -84,8 +99,9 @@ class TcpTransport:
                     return blocks
                 if frame.op is not Op.BLOCKS:
                     raise ProtocolError(f"unexpected {frame.op.name} in a fetch reply")
-                for _ in range(frame.count):
-                    blocks.append(await receiver.recv(stream))
+                versions = await _recv_versions(stream, frame)
+                for version in versions:
+                    blocks.append((await receiver.recv(stream))._replace(version=version))
 
         return await self._exchange(peer, run)
 
@@ -94,7 +110,8 @@ class TcpTransport:
 
         async def run(stream: SocketStream) -> int:
             items = (host_item(b) for b in blocks)  # hashed batch by batch, as they are sent
-            await send_blocks(stream, pack_frame(Op.PUSH, len(blocks)), items)
+            body = pack_versions([b.version for b in blocks])
+            await send_blocks(stream, pack_frame(Op.PUSH, len(blocks), len(body)) + body, items)
             frame = await self._reply(stream)
             if frame.op is not Op.ACK:
                 raise ProtocolError(f"unexpected {frame.op.name} in a push reply")
@@ -159,6 +176,11 @@ class TcpTransport:
         return result
 
 
+async def _recv_versions(stream: SocketStream, frame: Frame) -> list:
+    body = await stream.recv_exact(frame.body_len) if frame.body_len else b""
+    return unpack_versions(body, frame.count)
+
+
 class TcpBlockServer:
     """Serves a store's blocks to peers (FETCH) and stores the blocks they push (PUSH)."""
 
@@ -173,8 +195,12 @@ class TcpBlockServer:
         chunk_bytes: int = 32 << 20,
         sock_buf: int | None = None,
         recv_chunk: int = 256 << 10,
+        export=None,
+        accept=None,
     ) -> None:
         self.store = store
+        self.export = export or self._export
+        self.accept = accept or self._store_blocks
         self.recv_chunk = recv_chunk
         self.host, self._port = host, port
         self.timeout = timeout
@@ -241,15 +267,19 @@ class TcpBlockServer:
             keys = unpack_keys(await stream.recv_exact(frame.body_len), frame.count)
             await self._serve_fetch(stream, keys, bool(frame.flags & FLAG_PREFIX))
         elif frame.op is Op.PUSH:
-            await self._accept_push(stream, frame.count)
+            await self._accept_push(stream, await _recv_versions(stream, frame))
         else:
             await stream.sendv([error_message(f"unexpected {frame.op.name}")])
             raise ProtocolError(f"unexpected {frame.op.name} from a client")
 
+    def _export(self, key: int):
+        item = self.store.export(key)
+        return None if item is None else (*item, None)
+
     def _export_chunk(self, keys: Sequence[int], start: int, prefix: bool):
         items, size, i = [], 0, start
         while i < len(keys) and size < self.chunk_bytes:
-            item = self.store.export(keys[i])
+            item = self.export(keys[i])
             i += 1
             if item is None:
                 if prefix:
@@ -264,7 +294,9 @@ class TcpBlockServer:
         while i < len(keys):
             items, i = await asyncio.to_thread(self._export_chunk, keys, i, prefix)
             if items:
-                await send_blocks(stream, pack_frame(Op.BLOCKS, len(items)), items)
+                body = pack_versions([v for _, _, v in items])
+                frame = pack_frame(Op.BLOCKS, len(items), len(body)) + body
+                await send_blocks(stream, frame, ((h, t) for h, t, _ in items))
                 total += len(items)
         await stream.sendv([pack_frame(Op.ACK, total)])
 
@@ -274,18 +306,18 @@ class TcpBlockServer:
             for b in blocks
         )
 
-    async def _accept_push(self, stream: SocketStream, count: int) -> None:
+    async def _accept_push(self, stream: SocketStream, versions: list) -> None:
         receiver = BlockReceiver(self.store.landing, verify=self.verify)
-        stored, pending, size, bad = 0, [], 0, []
-        for i in range(count):
+        stored, pending, size, bad, count = 0, [], 0, [], len(versions)
+        for i, version in enumerate(versions):
             block = await receiver.recv(stream)  # a bad block still keeps the stream in sync
-            pending.append(block)
+            pending.append(block._replace(version=version))
             size += block.tensor.nbytes
             if size >= self.chunk_bytes or i == count - 1:
                 bad += receiver.mismatches()
                 rejected = {e.key for e in bad}
                 keep = [b for b in pending if b.key not in rejected]
-                stored += await asyncio.to_thread(self._store_blocks, keep)
+                stored += await asyncio.to_thread(self.accept, keep)
                 pending, size = [], 0
         if bad:
             await stream.sendv([error_message(str(bad[0]))])
