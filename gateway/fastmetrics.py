@@ -142,3 +142,31 @@ class FastHistogram(_Family):
                 buckets.append((le, total))
             fam.add_metric(list(key), buckets, child.sum)
         return [fam]
+
+
+# ---------------------------------------------------------------------------- request-path helpers
+class Children:
+    """A metric's label children, looked up in the metric once per label set."""
+
+    __slots__ = ("metric", "cache")
+
+    def __init__(self, metric) -> None:
+        self.metric = metric
+        self.cache: dict[tuple, object] = {}
+
+    def get(self, *labels: str):
+        child = self.cache.get(labels)
+        if child is None:
+            child = self.cache[labels] = self.metric.labels(*labels)
+        return child
+
+
+_STATUS_LABELS: dict[int, str] = {}
+
+
+def status_label(status: int) -> str:
+    """``str(status)``, made once per status."""
+    label = _STATUS_LABELS.get(status)
+    if label is None:
+        label = _STATUS_LABELS[status] = str(status)
+    return label

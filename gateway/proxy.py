@@ -23,7 +23,9 @@ from policies.types import Decision, Outcome, RequestFeatures
 
 from . import fastclient as fc
 from .config import GatewayConfig
+from .disconnect import DisconnectWatch, client_gone
 from .errors import KvgateError, ModelNotFound, NoReplicaAvailable, RateLimited, Unauthorized
+from .fastmetrics import Children, status_label
 from .features import parse_request
 from .kvhints import pull_hint_body
 from .metrics import GatewayMetrics
@@ -52,7 +54,7 @@ RESPONSE_SKIP = RESPONSE_DROP | {b"x-request-id"}  # the gateway sets its own x-
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-@dataclass(slots=True, eq=False)  # identity hash: a key of Proxy._unwatched
+@dataclass(slots=True, eq=False)  # identity hash: a key of DisconnectWatch.pending
 class _Exchange:
     """Per-request bookkeeping shared by the helpers below."""
 
@@ -73,28 +75,12 @@ class _Exchange:
     watcher: asyncio.Task | None = None  # started only for requests that run a while
 
 
-class _Children:
-    """A metric's label children, looked up in prometheus_client once per label set."""
-
-    __slots__ = ("metric", "cache")
-
-    def __init__(self, metric) -> None:
-        self.metric = metric
-        self.cache: dict[tuple, object] = {}
-
-    def get(self, *labels: str):
-        child = self.cache.get(labels)
-        if child is None:
-            child = self.cache[labels] = self.metric.labels(*labels)
-        return child
-
-
 class Proxy:
     """Forwards the inference routes; one instance per app, built in the lifespan."""
 
     # A client disconnect is watched for (a task reading ASGI ``receive``) only once a request
-    # has run this long: most short requests finish first, and skip the task.  One timer sweeps
-    # the running requests (in start order) instead of a timer per request.
+    # has run this long: most short requests finish first, and skip the task (gateway/disconnect.py;
+    # read when the Proxy is built).
     watch_disconnect_after_s = 0.05
 
     def __init__(
@@ -124,18 +110,16 @@ class Proxy:
         self.open_streams = 0
         self.in_flight = 0  # requests being forwarded (the max_in_flight limit)
         self.max_in_flight = cfg.max_in_flight
-        self._unwatched: dict[_Exchange, tuple] = {}  # running, no watcher yet: (receive, task, t0)
-        self._sweeper: asyncio.TimerHandle | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.disconnects = DisconnectWatch(self.watch_disconnect_after_s)
         m = metrics
-        self._m_requests = _Children(m.requests)
-        self._m_latency = _Children(m.latency)
-        self._m_ttft = _Children(m.ttft)
-        self._m_itl = _Children(m.itl)
-        self._m_decisions = _Children(m.decisions)
-        self._m_retries = _Children(m.retries)
-        self._m_upstream_errors = _Children(m.upstream_errors)
-        self._m_ejections = _Children(m.ejections)
+        self._m_requests = Children(m.requests)
+        self._m_latency = Children(m.latency)
+        self._m_ttft = Children(m.ttft)
+        self._m_itl = Children(m.itl)
+        self._m_decisions = Children(m.decisions)
+        self._m_retries = Children(m.retries)
+        self._m_upstream_errors = Children(m.upstream_errors)
+        self._m_ejections = Children(m.ejections)
         name = self.policy_name
         self._m_predicted = m.predicted_cached.labels(name)
         self._m_actual = m.actual_cached.labels(name)
@@ -214,10 +198,11 @@ class Proxy:
     # ------------------------------------------------------------------ forwarding
     async def _forward(self, scope, receive, send, body: bytes, headers, ex: _Exchange) -> None:
         task = asyncio.current_task()
-        loop = self._loop or self._bind_loop()
-        self._unwatched[ex] = (receive, task, loop.time())
-        if self._sweeper is None:
-            self._sweeper = loop.call_later(self.watch_disconnect_after_s, self._sweep)
+        watch = self.disconnects  # registered inline: no method call per request
+        loop = watch.loop or watch.bind_loop()
+        watch.pending[ex] = (receive, task, loop.time())
+        if watch.sweeper is None:
+            watch.sweeper = loop.call_later(watch.after_s, watch.sweep)
         try:
             resp = await self._connect(scope, body, headers, ex)
             if resp is None:
@@ -228,40 +213,16 @@ class Proxy:
             finally:
                 await resp.aclose()
         except asyncio.CancelledError:
-            watcher = ex.watcher
-            if not (watcher is not None and watcher.done() and not watcher.cancelled() and watcher.result() is True):
+            if not client_gone(ex):
                 raise
             task.uncancel()
             ex.status = 499  # client closed the connection
         finally:
             ex.finished = True
-            self._unwatched.pop(ex, None)
+            watch.pending.pop(ex, None)
             if ex.watcher is not None:
                 ex.watcher.cancel()
             self._finish(ex)
-
-    def _bind_loop(self) -> asyncio.AbstractEventLoop:
-        self._loop = asyncio.get_running_loop()
-        return self._loop
-
-    def _sweep(self) -> None:
-        """Timer: start a disconnect watcher for each request running longer than the threshold."""
-        self._sweeper = None
-        loop = self._loop
-        cutoff = loop.time() - self.watch_disconnect_after_s
-        due = []
-        for ex, (_, _, t0) in self._unwatched.items():  # oldest first
-            if t0 > cutoff:
-                break
-            due.append(ex)
-        for ex in due:
-            receive, task, _ = self._unwatched.pop(ex)
-            if not ex.finished and ex.watcher is None:
-                ex.watcher = loop.create_task(_watch_disconnect(receive, task, ex))
-        if self._unwatched:
-            first = next(iter(self._unwatched.values()))[2]
-            delay = max(first + self.watch_disconnect_after_s - loop.time(), 0.001)
-            self._sweeper = loop.call_later(delay, self._sweep)
 
     async def _connect(self, scope, body: bytes, headers, ex: _Exchange) -> UpstreamResponse | None:
         """Open the upstream response, retrying alternates on retryable failures."""
@@ -393,7 +354,7 @@ class Proxy:
             if ex.ok:
                 self.pool.record_success(ex.replica)
         route = ex.route
-        self._m_requests.get(route, _status_label(ex.status)).inc()
+        self._m_requests.get(route, status_label(ex.status)).inc()
         self._m_latency.get(route).observe(elapsed)
         if ex.ttft is not None:
             self._m_ttft.get(route).observe(ex.ttft)
@@ -425,24 +386,3 @@ class Proxy:
                     "ttft_ms": None if ex.ttft is None else round(ex.ttft * 1000, 2),
                 },
             )
-
-
-_STATUS_LABELS: dict[int, str] = {}
-
-
-def _status_label(status: int) -> str:
-    label = _STATUS_LABELS.get(status)
-    if label is None:
-        label = _STATUS_LABELS[status] = str(status)
-    return label
-
-
-async def _watch_disconnect(receive, task: asyncio.Task, ex: _Exchange) -> bool:
-    """Cancel ``task`` when the client disconnects mid-request; returns True if it did."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if ex.finished:
-                return False
-            task.cancel()
-            return True

@@ -554,4 +554,4 @@ async def test_gateway_frees_the_replica_when_a_client_leaves_a_hanging_request(
                 if await in_flight() == 0:
                     break
             assert await in_flight() == 0
-            assert not topo.gateway.state.proxy._unwatched
+            assert not topo.gateway.state.proxy.disconnects.pending
