@@ -28,7 +28,8 @@ $(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
 # in one apt-get call; when all are there this is a few `command -v` checks and nothing else.
 #   redis-server  shared-state tests, `kvgate up`       nginx          the compose entry point, locally
 #   prometheus    scrapes the local stack (+ promtool)  docker-compose validates compose.yaml (no daemon)
-SYSTEM_PACKAGES := redis-server:redis-server nginx:nginx-light prometheus:prometheus docker-compose:docker-compose
+#   wrk           the proxy benchmark's load generator (its end-to-end test)
+SYSTEM_PACKAGES := redis-server:redis-server nginx:nginx-light prometheus:prometheus docker-compose:docker-compose wrk:wrk
 
 system-packages:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do \
