@@ -72,3 +72,25 @@ def audit(index: PrefixIndex) -> list[str]:
     if len(where) > index.max_total_blocks:
         problems.append("over max_total_blocks")
     return problems
+
+
+# Rough sizes behind stats()["approx_bytes"]; bench_policy measures the real figure.
+_BYTES_PER_BLOCK = 84  # hash int + where entry + tuple slot
+_BYTES_PER_NODE = 240  # node object + held dict
+_BYTES_PER_HOLDING = 200  # one replica's stamp, heap entry and held entry
+
+
+def stats(index: PrefixIndex) -> dict:
+    holdings = sum(len(lru) for lru in index._lru.values())
+    total = len(index._where)
+    return {
+        "blocks": dict(index._blocks),
+        "capacity": dict(index._effective),
+        "total_blocks": total,
+        "nodes": index._nodes,
+        "holdings": holdings,
+        "orphan_events": index._orphan_events,
+        "approx_bytes": total * _BYTES_PER_BLOCK
+        + index._nodes * _BYTES_PER_NODE
+        + holdings * _BYTES_PER_HOLDING,
+    }

@@ -1,0 +1,88 @@
+"""The capacity model of :class:`policies.prefix_index.PrefixIndex` (see its header: "Capacity
+model", "Learned capacity", "Bounded memory"): configured and learned capacity per replica, and
+the evictions that keep the recorded blocks within them.
+
+A mixin: it works on the index's own state (``_lru``, ``_blocks``, ``_configured``,
+``_effective``, ``_where``, the learning parameters) and helpers (``_add_replica``,
+``_shrink_holding``), which ``PrefixIndex.__init__`` sets up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class CapacityModel:
+    def capacity(self, replica_id: str) -> int:
+        """The effective (learned) capacity of a replica, in blocks."""
+        return self._effective.get(replica_id, self.default_capacity)
+
+    def set_capacity(self, replica_id: str, blocks: int) -> None:
+        """Configure a replica's capacity in blocks (e.g. from its KV-cache size); resets learning."""
+        if blocks < 1:
+            raise ValueError("capacity must be >= 1 block")
+        if replica_id not in self._lru:
+            self._add_replica(replica_id)
+        self._configured[replica_id] = blocks
+        self._effective[replica_id] = blocks
+        self._evict(replica_id)
+
+    def observe(
+        self,
+        replica_id: str,
+        predicted_tokens: int,
+        actual_tokens: int,
+        hashes: Sequence[int] = (),
+        tokens_per_hash: int = 1,
+        dispatched_at: float | None = None,
+    ) -> None:
+        """Learn the replica's effective capacity from predicted vs reported cached tokens.
+
+        With the request's ``hashes`` and ``dispatched_at`` (same clock as ``now``), a shortfall
+        only counts if the first block the replica lacked was recorded on it at least
+        ``settle_s`` before the dispatch.
+        """
+        if replica_id not in self._lru or predicted_tokens <= 0:
+            return
+        eff = self._effective[replica_id]
+        if actual_tokens < self.miss_ratio * predicted_tokens:
+            if hashes and dispatched_at is not None:
+                since = self._since(replica_id, hashes, actual_tokens // max(1, tokens_per_hash))
+                if since is None or since > dispatched_at - self.settle_s:
+                    return
+            base = min(eff, self._blocks[replica_id])
+            eff = max(self.min_capacity, int(base * (1.0 - self.shrink)))
+        elif actual_tokens >= predicted_tokens:
+            eff = min(self._configured[replica_id], eff + max(1, int(eff * self.grow)))
+        self._effective[replica_id] = eff
+        self._evict(replica_id)
+
+    def expire(self, older_than: float) -> int:
+        """Forget holdings last used before ``older_than`` (same time base as ``insert``'s now)."""
+        forgotten = 0
+        for rid, lru in self._lru.items():
+            while (entry := lru.oldest()) is not None and entry[2] < older_than:
+                forgotten += self._shrink_holding(rid, entry[4], 0)
+        return forgotten
+
+    def _since(self, replica_id: str, hashes: Sequence[int], k: int) -> float | None:
+        """When the replica first got the node holding ``hashes[k]`` (None if it does not)."""
+        node = self._where.get(hashes[k]) if k < len(hashes) else None
+        stamp = self._lru[replica_id].stamp.get(node) if node is not None else None  # type: ignore[arg-type]
+        return None if stamp is None else stamp[2]
+
+    def _evict(self, replica_id: str) -> None:
+        excess = self._blocks[replica_id] - self._effective[replica_id]
+        if excess <= 0:
+            return
+        lru = self._lru[replica_id]
+        while excess > 0:
+            node = lru.oldest()[4]  # type: ignore[index]
+            h = node.held[replica_id]
+            excess -= self._shrink_holding(replica_id, node, max(0, h - excess))
+
+    def _enforce_total(self) -> None:
+        while len(self._where) > self.max_total_blocks:
+            heads = [(e, rid) for rid, lru in self._lru.items() if (e := lru.oldest()) is not None]
+            entry, rid = min(heads, key=lambda x: x[0][0])
+            self._shrink_holding(rid, entry[4], 0)
