@@ -10,9 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from worker_agent.blockfmt import HEADER_SIZE, Block, byte_view  # noqa: E402
+from worker_agent.disktier import DiskTier  # noqa: E402
 from worker_agent.events import BlockRemoved, BlockStored  # noqa: E402
 from worker_agent.store import KVBlockStore  # noqa: E402
-from worker_agent.tiers import DiskTier, MemoryTier  # noqa: E402
+from worker_agent.tiers import MemoryTier  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block tokens, kv heads, head dim

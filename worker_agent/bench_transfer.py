@@ -35,8 +35,9 @@ from collections.abc import Callable
 import torch
 
 from .blockfmt import Block, checksum, payload_view
+from .disktier import DiskTier
 from .store import KVBlockStore
-from .tiers import BlockMeta, DiskTier, MemoryTier, cuda_available, tune_host_allocator
+from .tiers import BlockMeta, MemoryTier, cuda_available, tune_host_allocator
 
 GOALS = {"tier": 0.70, "tcp": 0.80}
 
