@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from worker_agent.blockfmt import HEADER_SIZE, byte_view  # noqa: E402
+from tests.kvblocks import random_block, same_bytes  # noqa: E402
+from worker_agent.blockfmt import HEADER_SIZE  # noqa: E402
 from worker_agent.disktier import DiskTier  # noqa: E402
 from worker_agent.errors import BlockFormatError, ChecksumMismatch  # noqa: E402
 from worker_agent.tiers import BlockMeta  # noqa: E402
@@ -17,18 +18,10 @@ from worker_agent.tiers import BlockMeta  # noqa: E402
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
 
 
-def random_block(rng: random.Random, shape=None, dtype=None) -> torch.Tensor:
+def block(rng: random.Random, shape=None, dtype=None) -> torch.Tensor:
+    """A random block; shape and dtype drawn from ``rng`` unless given."""
     shape = shape or (rng.randint(1, 3), 2, rng.choice([1, 4, 16]), 2, rng.choice([8, 64]))
-    dtype = dtype or rng.choice(DTYPES)
-    n = 1
-    for d in shape:
-        n *= d
-    raw = torch.tensor(bytearray(rng.randbytes(n * dtype.itemsize)), dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(byte_view(a), byte_view(b))
+    return random_block(rng, dtype or rng.choice(DTYPES), shape)
 
 
 def files(path, suffix: str) -> list[str]:
@@ -38,7 +31,7 @@ def files(path, suffix: str) -> list[str]:
 def test_a_departed_blocks_file_is_overwritten_in_place(tmp_path):
     tier = DiskTier(tmp_path, 1 << 30)
     rng = random.Random(1)
-    a, b = random_block(rng, (2, 2, 16, 2, 64)), random_block(rng, (2, 2, 16, 2, 64))
+    a, b = block(rng, (2, 2, 16, 2, 64)), block(rng, (2, 2, 16, 2, 64))
     tier.store(1, a, BlockMeta(), owned=False)
     inode = tier.path(1).stat().st_ino
     tier.delete(1)
@@ -52,7 +45,7 @@ def test_a_departed_blocks_file_is_overwritten_in_place(tmp_path):
 def test_a_larger_spare_is_truncated_to_the_new_block(tmp_path):
     tier = DiskTier(tmp_path, 1 << 30)
     rng = random.Random(2)
-    big, small = random_block(rng, (3, 2, 16, 2, 64)), random_block(rng, (1, 2, 4, 2, 8))
+    big, small = block(rng, (3, 2, 16, 2, 64)), block(rng, (1, 2, 4, 2, 8))
     tier.store(1, big, BlockMeta(), owned=False)
     tier.delete(1)
     tier.store(2, small, BlockMeta(), owned=False)
@@ -64,7 +57,7 @@ def test_a_larger_spare_is_truncated_to_the_new_block(tmp_path):
 
 def test_spares_are_bounded_and_removed_on_close_and_reopen(tmp_path):
     rng = random.Random(3)
-    blocks = [random_block(rng, (1, 2, 16, 2, 64), torch.float16) for _ in range(3)]
+    blocks = [block(rng, (1, 2, 16, 2, 64), torch.float16) for _ in range(3)]
     size = HEADER_SIZE + blocks[0].nbytes
     tier = DiskTier(tmp_path, 1 << 30, spare_bytes=2 * size)
     for k, t in enumerate(blocks):
@@ -82,9 +75,9 @@ def test_spares_are_bounded_and_removed_on_close_and_reopen(tmp_path):
 def test_corruption_of_a_recycled_file_is_detected(tmp_path):
     tier = DiskTier(tmp_path, 1 << 30)
     rng = random.Random(4)
-    tier.store(1, random_block(rng, (1, 2, 16, 2, 64)), BlockMeta(), owned=False)
+    tier.store(1, block(rng, (1, 2, 16, 2, 64)), BlockMeta(), owned=False)
     tier.delete(1)
-    t = random_block(rng, (1, 2, 16, 2, 64))
+    t = block(rng, (1, 2, 16, 2, 64))
     tier.store(2, t, BlockMeta(), owned=False)
     with open(tier.path(2), "r+b") as fh:
         fh.seek(HEADER_SIZE + t.nbytes - 1)
@@ -109,7 +102,7 @@ def test_random_stores_and_deletes_stay_byte_identical(tmp_path, seed):
             tier.delete(key)
             del held[key]
         elif key not in held:
-            held[key] = random_block(rng)
+            held[key] = block(rng)
             tier.store(key, held[key], BlockMeta(parent=key or None), owned=False)
         for k in rng.sample(sorted(held), min(2, len(held))):
             assert same_bytes(tier.load(k), held[k])

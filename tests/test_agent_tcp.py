@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from worker_agent.blockfmt import HEADER_SIZE, Block, byte_view, encode_block  # noqa: E402
+from tests.kvblocks import random_block, same_bytes  # noqa: E402
+from worker_agent.blockfmt import HEADER_SIZE, Block, encode_block  # noqa: E402
 from worker_agent.errors import (  # noqa: E402
     ChecksumMismatch,
     PeerGone,
@@ -23,18 +24,6 @@ from worker_agent.transport.framing import Op, pack_frame  # noqa: E402
 from worker_agent.transport.tcp import TcpBlockServer, TcpTransport  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-
-
-def random_block(rng: random.Random, dtype, shape) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    raw = torch.tensor(bytearray(rng.randbytes(n * dtype.itemsize)), dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
-
-
-def same_bytes(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(byte_view(a), byte_view(b))
 
 
 def store(nbytes: int = 256 << 20) -> KVBlockStore:
