@@ -260,12 +260,25 @@ class TcpBlockServer:
         return items, i
 
     async def _serve_fetch(self, stream: SocketStream, keys: Sequence[int], prefix: bool) -> None:
-        total, i = 0, 0
-        while i < len(keys):
-            items, i = await asyncio.to_thread(self._export_chunk, keys, i, prefix)
-            if items:
-                await send_blocks(stream, pack_frame(Op.BLOCKS, len(items)), items)
-                total += len(items)
+        """Send the blocks chunk by chunk; the next chunk is exported (a thread: it may read the
+        disk tier) while the current one is being sent, so the socket never waits for it."""
+
+        def export(start: int):
+            return asyncio.ensure_future(
+                asyncio.to_thread(self._export_chunk, keys, start, prefix)
+            )
+
+        total, ahead = 0, export(0) if keys else None
+        try:
+            while ahead is not None:
+                items, i = await ahead
+                ahead = export(i) if i < len(keys) else None
+                if items:
+                    await send_blocks(stream, pack_frame(Op.BLOCKS, len(items)), items)
+                    total += len(items)
+        finally:
+            if ahead is not None:
+                ahead.cancel()
         await stream.sendv([pack_frame(Op.ACK, total)])
 
     def _store_blocks(self, blocks: list[Block]) -> int:
