@@ -288,18 +288,27 @@ class TcpBlockServer:
         )
 
     async def _accept_push(self, stream: SocketStream, count: int) -> None:
+        """Receive and store chunk by chunk; a chunk is stored (a thread: it may demote to disk)
+        while the next one is received, one chunk in the store at a time."""
         receiver = BlockReceiver(self.store.landing, verify=self.verify)
         stored, pending, size, bad = 0, [], 0, []
-        for i in range(count):
-            block = await receiver.recv(stream)  # a bad block still keeps the stream in sync
-            pending.append(block)
-            size += block.tensor.nbytes
-            if size >= self.chunk_bytes or i == count - 1:
-                bad += receiver.mismatches()
-                rejected = {e.key for e in bad}
-                keep = [b for b in pending if b.key not in rejected]
-                stored += await asyncio.to_thread(self._store_blocks, keep)
-                pending, size = [], 0
+        storing: asyncio.Future | None = None
+        try:
+            for i in range(count):
+                block = await receiver.recv(stream)  # a bad block still keeps the stream in sync
+                pending.append(block)
+                size += block.tensor.nbytes
+                if size >= self.chunk_bytes or i == count - 1:
+                    bad += receiver.mismatches()
+                    keep = [b for b in pending if b.key not in {e.key for e in bad}]
+                    stored += await storing if storing is not None else 0
+                    storing = asyncio.ensure_future(asyncio.to_thread(self._store_blocks, keep))
+                    pending, size = [], 0
+            stored += await storing if storing is not None else 0
+            storing = None
+        finally:
+            if storing is not None:
+                storing.cancel()
         if bad:
             await stream.sendv([error_message(str(bad[0]))])
         else:
