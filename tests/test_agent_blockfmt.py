@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.kvblocks import random_block, same_bytes  # noqa: E402
 from worker_agent.blockfmt import (  # noqa: E402
     HEADER_SIZE,
     BlockHeader,
@@ -21,22 +22,6 @@ from worker_agent.blockfmt import (  # noqa: E402
 from worker_agent.errors import BlockFormatError, ChecksumMismatch  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-
-
-def random_block(rng: random.Random, dtype, shape) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    raw = torch.tensor(bytearray(rng.randbytes(n * dtype.itemsize)), dtype=torch.uint8)
-    return raw.view(dtype).view(shape)  # arbitrary bit patterns, NaNs included
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and tuple(a.shape) == tuple(b.shape)
-        and torch.equal(byte_view(a.cpu()), byte_view(b.cpu()))
-    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

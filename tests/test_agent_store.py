@@ -9,30 +9,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from worker_agent.blockfmt import HEADER_SIZE, Block, byte_view  # noqa: E402
+from tests.kvblocks import random_block, same_bytes  # noqa: E402
+from worker_agent.blockfmt import HEADER_SIZE, Block  # noqa: E402
+from worker_agent.disktier import DiskTier  # noqa: E402
 from worker_agent.events import BlockRemoved, BlockStored  # noqa: E402
 from worker_agent.store import KVBlockStore  # noqa: E402
-from worker_agent.tiers import DiskTier, MemoryTier  # noqa: E402
+from worker_agent.tiers import MemoryTier  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block tokens, kv heads, head dim
 NB = 2 * 2 * 4 * 2 * 8  # elements per block
-
-
-def random_block(rng: random.Random, dtype=torch.float16, shape=SHAPE) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    raw = torch.tensor(bytearray(rng.randbytes(n * dtype.itemsize)), dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and tuple(a.shape) == tuple(b.shape)
-        and torch.equal(byte_view(a.cpu()), byte_view(b.cpu()))
-    )
 
 
 class Recorder:

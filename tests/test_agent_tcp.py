@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from worker_agent.blockfmt import HEADER_SIZE, Block, byte_view, encode_block  # noqa: E402
+from tests.kvblocks import random_block, same_bytes  # noqa: E402
+from worker_agent.blockfmt import HEADER_SIZE, Block, encode_block  # noqa: E402
 from worker_agent.errors import (  # noqa: E402
     ChecksumMismatch,
     PeerGone,
@@ -23,18 +24,6 @@ from worker_agent.transport.framing import Op, pack_frame  # noqa: E402
 from worker_agent.transport.tcp import TcpBlockServer, TcpTransport  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-
-
-def random_block(rng: random.Random, dtype, shape) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    raw = torch.tensor(bytearray(rng.randbytes(n * dtype.itemsize)), dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
-
-
-def same_bytes(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(byte_view(a), byte_view(b))
 
 
 def store(nbytes: int = 256 << 20) -> KVBlockStore:
@@ -209,3 +198,70 @@ async def test_stale_pooled_connection_is_replaced():
         (fresh,) = client._idle[tcp.parse_peer(server.address)]
         assert fresh is not stale and stale.sock.fileno() == -1
     await client.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_random_blocks_round_trip_byte_identical(seed):
+    """Any mix of block sizes (tiny to beyond the 1 MiB receive watermark), socket buffers and
+    hashing chunk sizes: fetched and pushed blocks are byte-identical to the source's."""
+    rng = random.Random(seed)
+    blocks = make_blocks(seed, 12)
+    for _ in range(3):  # and a few large ones, received in several watermark-sized waits
+        shape = (rng.randint(1, 4), 2, 16, rng.choice([4, 8]), 128)
+        blocks[rng.getrandbits(64)] = random_block(rng, rng.choice(DTYPES), shape)
+    src, dst = store(), store()
+    for k, t in blocks.items():
+        src.put(k, t)
+    buf = rng.choice([None, 64 << 10, 1 << 20])
+    client = TcpTransport(sock_buf=buf, recv_chunk=rng.choice([4 << 10, 64 << 10, 256 << 10]))
+    async with TcpBlockServer(src, sock_buf=buf) as a, TcpBlockServer(dst, sock_buf=buf) as b:
+        keys = rng.sample(list(blocks), len(blocks))
+        got = await client.fetch(a.address, keys)
+        assert [blk.key for blk in got] == keys
+        assert all(same_bytes(blk.tensor, blocks[blk.key]) for blk in got)
+        assert await client.push(b.address, got) == len(keys)
+    assert all(same_bytes(dst.get(k), t) for k, t in blocks.items())
+    await client.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_a_flipped_bit_anywhere_in_a_payload_is_detected(seed):
+    rng = random.Random(seed)
+    t = random_block(rng, torch.float16, (rng.randint(1, 6), 2, 16, 2, 128))  # up to 1.5 MiB
+    block = bytearray(encode_block(7, t))
+    block[HEADER_SIZE + rng.randrange(t.nbytes)] ^= 1 << rng.randrange(8)
+    server, _, finished = await fake_server(
+        pack_frame(Op.BLOCKS, 1) + bytes(block) + pack_frame(Op.ACK, 1)
+    )
+    client = TcpTransport(timeout=5, recv_chunk=rng.choice([4 << 10, 256 << 10]))
+    with pytest.raises(ChecksumMismatch):
+        await client.fetch(("127.0.0.1", server.sockets[0].getsockname()[1]), [7])
+    await finished.wait()
+    server.close()
+    await client.close()
+
+
+async def test_a_reply_trickling_in_small_pieces_is_assembled():
+    """Pieces far below the receive watermark still complete the block (the reader's watermark
+    never exceeds what the frame still owes)."""
+    rng = random.Random(7)
+    t = random_block(rng, torch.bfloat16, (3, 2, 16, 2, 128))
+    reply = pack_frame(Op.BLOCKS, 1) + encode_block(9, t) + pack_frame(Op.ACK, 1)
+
+    async def handle(reader, writer):
+        await reader.readexactly(16 + 8)
+        pos = 0
+        while pos < len(reply):
+            step = rng.choice([1, 17, 4096, 70_000])
+            writer.write(reply[pos : pos + step])
+            await writer.drain()
+            pos += step
+        await reader.read()  # until the client closes
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    client = TcpTransport(timeout=10)
+    (got,) = await client.fetch(("127.0.0.1", server.sockets[0].getsockname()[1]), [9])
+    assert got.key == 9 and same_bytes(got.tensor, t)
+    await client.close()
+    server.close()

@@ -2,21 +2,23 @@
 
     python -m worker_agent.bench_transfer [--block-mib 2] [--total-mib 256] [--rounds 3]
 
-Rows (each the median of ``--rounds`` timed rounds after one warm-up round):
+Rows (``--rounds`` timed rounds after one warm-up round, interleaved; ``bench_report`` turns them
+into GB/s and ratios against the baselines timed in the same rounds):
 
 * memcpy            ``dst.copy_(src)`` into preallocated tensors: the baseline of the tier rows
 * tier host copy    ``MemoryTier.store`` of a block it must copy (what a GPU->CPU demotion does
                     on the host side; pinned memory when CUDA is present)
 * tier CPU->disk    ``KVBlockStore.move`` to the disk tier (atomic file write; the checksum is
                     computed once per block and cached, so timed rounds reuse it)
-* tier disk->CPU    ``KVBlockStore.move`` back (file read + checksum verify + unlink)
+* tier disk->CPU    ``KVBlockStore.move`` back (file read + checksum verify + the file recycled);
+                    "verify off": the same without the checksum pass (to show what it costs)
 * raw file write/read  the same bytes with bare os.write / os.readv, one file per block
 * raw loopback      two processes, ``sock_sendall`` / ``sock_recv_into`` of the same bytes into a
                     reused buffer, no framing: the baseline of the TCP rows ("distinct memory":
                     received into one buffer per byte, as blocks are; a second reference)
 * tcp fetch / push  ``TcpTransport`` against a ``TcpBlockServer`` in another process; push sends
                     blocks with known checksums (as ``KVBlockStore.export`` gives them), "hash on
-                    send" hashes them first
+                    send" hashes them first; the warm-up fetch is checked byte for byte
 * gloo raw / blocks one ``dist.send`` of all the bytes vs ``DistTransport.send_blocks``
 """
 
@@ -27,18 +29,19 @@ import asyncio
 import multiprocessing as mp
 import os
 import socket
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
-from .blockfmt import Block, checksum, payload_view
-from .store import KVBlockStore
-from .tiers import BlockMeta, DiskTier, MemoryTier, cuda_available, tune_host_allocator
+from gateway.bench.tables import replace_block
 
-GOALS = {"tier": 0.70, "tcp": 0.80}
+from .bench_report import Times, markdown, report
+from .blockfmt import Block, byte_view, checksum, payload_view
+from .disktier import DiskTier
+from .store import KVBlockStore
+from .tiers import BlockMeta, MemoryTier, cuda_available, tune_host_allocator
 
 
 def make_blocks(n: int, block_bytes: int, seed: int = 0) -> dict[int, torch.Tensor]:
@@ -65,8 +68,6 @@ class Rounds:
         if record:
             self.times.setdefault(name, []).append(time.perf_counter() - t0)
 
-    def medians(self) -> dict[str, float]:
-        return {k: statistics.median(v) for k, v in self.times.items()}
 
 
 def _raw_write(directory: str, views: list[memoryview]) -> None:
@@ -89,7 +90,7 @@ def _raw_read(directory: str, n: int, nbytes: int) -> list[torch.Tensor]:
     return out
 
 
-def bench_tiers(blocks: dict[int, torch.Tensor], rounds: int, disk_dir: str) -> dict[str, float]:
+def bench_tiers(blocks: dict[int, torch.Tensor], rounds: int, disk_dir: str) -> Times:
     srcs = list(blocks.values())
     dsts = [torch.empty_like(t) for t in srcs]
     views = [payload_view(t) for t in srcs]
@@ -97,7 +98,8 @@ def bench_tiers(blocks: dict[int, torch.Tensor], rounds: int, disk_dir: str) -> 
     os.mkdir(raw_dir)
     tier = MemoryTier("CPU", "cpu", 1 << 62)
     meta = BlockMeta()
-    store = KVBlockStore([MemoryTier("CPU", "cpu", 1 << 62), DiskTier(disk_dir, 1 << 62)])
+    disk = DiskTier(disk_dir, 1 << 62)
+    store = KVBlockStore([MemoryTier("CPU", "cpu", 1 << 62), disk])
     for k, t in blocks.items():
         store.put(k, t)
     r = Rounds()
@@ -115,11 +117,15 @@ def bench_tiers(blocks: dict[int, torch.Tensor], rounds: int, disk_dir: str) -> 
         r.time("tier CPU->disk", lambda: [store.move(k, 1) for k in blocks], rec)
         r.time("raw file read", lambda: _raw_read(raw_dir, len(views), len(views[0])), rec)
         r.time("tier disk->CPU", lambda: [store.move(k, 0) for k in blocks], rec)
+        _ = [store.move(k, 1) for k in blocks]
+        disk.verify = False
+        r.time("disk->CPU, verify off", lambda: [store.move(k, 0) for k in blocks], rec)
+        disk.verify = True
         for j in range(len(views)):
             os.unlink(f"{raw_dir}/{j}")
     store.clear()
     store.close()
-    return r.medians()
+    return r.times
 
 
 # -- TCP ---------------------------------------------------------------------------------------
@@ -222,7 +228,8 @@ async def _tcp_rounds(raw_port: int, blk_port: int, blocks: dict, rounds: int) -
             "raw ... distinct memory", _raw_round(sock, region_view, total, b"g"), rec
         )
         got = await timed_async("tcp fetch", client.fetch(peer, keys), rec)
-        assert len(got) == len(keys)
+        if not rec:  # the server made the same blocks from the same seed
+            _check_identical(got, blocks)
         del got
         got = await timed_async("tcp fetch, verify off", trusting.fetch(peer, keys), rec)
         del got
@@ -232,10 +239,17 @@ async def _tcp_rounds(raw_port: int, blk_port: int, blocks: dict, rounds: int) -
     sock.close()
     await client.close()
     await trusting.close()
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
-def bench_tcp(blocks: dict, block_bytes: int, rounds: int, tune: bool) -> dict[str, float]:
+def _check_identical(got: list[Block], blocks: dict[int, torch.Tensor]) -> None:
+    if [b.key for b in got] != list(blocks) or not all(
+        torch.equal(byte_view(b.tensor), byte_view(blocks[b.key])) for b in got
+    ):
+        raise RuntimeError("tcp fetch returned blocks that differ from the source's")
+
+
+def bench_tcp(blocks: dict, block_bytes: int, rounds: int, tune: bool) -> Times:
     raw, raw_port = _spawn(_raw_peer, len(blocks) * block_bytes, block_bytes, tune)
     blk, blk_port = _spawn(_block_peer, len(blocks), block_bytes, tune)
     try:
@@ -277,11 +291,11 @@ def _gloo_worker(rank: int, port: int, n: int, block_bytes: int, rounds: int, tu
             raw_t.append(t1 - t0)
             blk_t.append(t3 - t2)
     if rank == 1:
-        q.put((statistics.median(raw_t), statistics.median(blk_t)))
+        q.put((raw_t, blk_t))
     dist.destroy_process_group()
 
 
-def bench_gloo(n: int, block_bytes: int, rounds: int, tune: bool) -> dict[str, float]:
+def bench_gloo(n: int, block_bytes: int, rounds: int, tune: bool) -> Times:
     import torch.multiprocessing as tmp
 
     with socket.socket() as s:
@@ -293,36 +307,7 @@ def bench_gloo(n: int, block_bytes: int, rounds: int, tune: bool) -> dict[str, f
     return {"gloo raw send": raw, "gloo blocks": blk}
 
 
-# -- report ------------------------------------------------------------------------------------
-# row -> (baseline row, goal kind or None, second baseline row or None)
-BASELINES = {
-    "tier host copy": ("memcpy", "tier", None),
-    "tier CPU->disk": ("memcpy", "tier", "raw file write"),
-    "tier disk->CPU": ("memcpy", "tier", "raw file read"),
-    "tcp fetch": ("raw loopback peer->us", "tcp", "raw ... distinct memory"),
-    "tcp fetch, verify off": ("raw loopback peer->us", None, "raw ... distinct memory"),
-    "tcp push": ("raw loopback us->peer", "tcp", None),
-    "tcp push, hash on send": ("raw loopback us->peer", "tcp", None),
-    "gloo blocks": ("gloo raw send", None, None),
-}
-
-
-def report(results: dict[str, float], total: int) -> str:
-    lines = [f"{'path':24s} {'GB/s':>6s}  {'ratio':>5s}  vs (goal)", "-" * 78]
-    for name, secs in results.items():
-        note = ""
-        if name in BASELINES:
-            base, kind, other = BASELINES[name]
-            r = results[base] / secs
-            note = f"{r:5.2f}  vs {base}"
-            if kind:
-                note += f" (>= {GOALS[kind]:.2f}: {'ok' if r >= GOALS[kind] else 'below'})"
-            if other in results:
-                note += f"; {results[other] / secs:.2f} vs {other}"
-        lines.append(f"{name:24s} {total / secs / 1e9:6.2f}  {note}")
-    return "\n".join(lines)
-
-
+# -- run ---------------------------------------------------------------------------------------
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """Options of ``kvgate bench transfer`` (and ``python -m worker_agent.bench_transfer``)."""
     ap.add_argument("--out", default="bench-results", help="folder for transfer.md")
@@ -334,7 +319,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--no-malloc-tune", action="store_true", help="leave glibc's trim/mmap thresholds alone"
     )
+    ap.add_argument("--readme", default=None, help="README to update between bench:transfer markers")
 
+
+def setup_line(n: int, block_bytes: int, rounds: int, tune: bool) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return (
+        f"{n} blocks x {block_bytes / 2**20:g} MiB ({n * block_bytes / 2**20:g} MiB per round), "
+        f"{rounds} interleaved rounds after a warm-up; {os.cpu_count()} CPUs shared by both ends "
+        f"(and other work), nothing pinned; cuda={cuda_available()}, malloc tuned={tune}, "
+        f"torch {torch.__version__}; {stamp}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -344,24 +339,23 @@ def run(args: argparse.Namespace) -> int:
     blocks = make_blocks(max(1, int(args.total_mib * 2**20) // block_bytes), block_bytes)
     block_bytes = next(iter(blocks.values())).nbytes
     total = len(blocks) * block_bytes
-    print(
-        f"{len(blocks)} blocks x {block_bytes / 2**20:.2f} MiB, {args.rounds} rounds (median), "
-        f"cuda={cuda_available()}, cpus={os.cpu_count()}, malloc tuned={tune}, "
-        f"torch {torch.__version__}"
-    )
-    results: dict[str, float] = {}
+    setup = setup_line(len(blocks), block_bytes, args.rounds, bool(tune))
+    print(setup)
+    times: Times = {}
     if "tier" not in args.skip:
         with tempfile.TemporaryDirectory(dir=args.disk_dir) as d:
-            results.update(bench_tiers(blocks, args.rounds, d))
+            times.update(bench_tiers(blocks, args.rounds, d))
     if "tcp" not in args.skip:
-        results.update(bench_tcp(blocks, block_bytes, args.rounds, tune))
+        times.update(bench_tcp(blocks, block_bytes, args.rounds, tune))
     if "gloo" not in args.skip:
-        results.update(bench_gloo(len(blocks), block_bytes, args.rounds, tune))
-    table = report(results, total)
-    print(table)
+        times.update(bench_gloo(len(blocks), block_bytes, args.rounds, tune))
+    print(report(times, total))
+    text = markdown(times, total, setup)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "transfer.md"), "w") as fh:
-        fh.write("```\n" + table + "\n```\n")
+        fh.write(text)
+    if args.readme:
+        replace_block(args.readme, "transfer", text)
     return 0
 
 

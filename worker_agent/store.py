@@ -1,7 +1,7 @@
 """Tiered KV block store: LRU placement over GPU -> CPU -> disk tiers, with KV events.
 
 ``KVBlockStore`` executes the plans of ``placement.Placement`` (pure bookkeeping) against physical
-tiers (``tiers.MemoryTier`` / ``tiers.DiskTier``): demotion under pressure (GPU -> CPU -> disk ->
+tiers (``tiers.MemoryTier`` / ``disktier.DiskTier``): demotion under pressure (GPU -> CPU -> disk ->
 dropped), promotion to the top tier on a hit, explicit moves.  Blocks are keyed by their chained
 block hash (``policies.hashing``), which already includes the model/LoRA salt.
 
@@ -32,10 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from .blockfmt import DTYPE_CODES, MAX_DIMS, Block, BlockHeader, checksum, header_for, payload_view
+from .disktier import DiskTier
 from .errors import AgentError
 from .events import BlockRemoved, BlockStored, Event, coalesce, net_effect
 from .placement import Placement, PlacementStats, Step, StepKind, TierCounters
-from .tiers import BlockMeta, Copier, DiskTier, MemoryTier, cuda_available
+from .tiers import BlockMeta, Copier, MemoryTier, cuda_available
 
 log = logging.getLogger(__name__)
 

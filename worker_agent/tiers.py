@@ -1,4 +1,4 @@
-"""Physical storage for the tiered KV block store: device/host memory tiers and a disk tier.
+"""Physical storage for the tiered KV block store: device/host memory tiers (``disktier``: disk).
 
 A tier holds whole blocks keyed by their chained hash and knows nothing about LRU or capacity
 policy (that is ``placement.Placement``); it only stores, loads and deletes.  Every tier has:
@@ -15,16 +15,9 @@ the host for host consumers).  Without CUDA the same code path runs a synchronou
 from __future__ import annotations
 
 import ctypes
-import itertools
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import xxhash
-
-from .blockfmt import HEADER_SIZE, BlockHeader, checksum, header_for, payload_view
-from .errors import BlockFormatError, ChecksumMismatch
 
 
 @dataclass(slots=True)
@@ -177,157 +170,3 @@ class MemoryTier:
     def close(self) -> None:
         self._blocks.clear()
         self._fences.clear()
-
-
-class DiskTier:
-    """One file per block in ``directory``: the ``blockfmt`` header then the raw payload.
-
-    Files are written to a temporary name and renamed into place, so a crash leaves either the old
-    state or a complete block; ``fsync=True`` also makes them durable.  Reads verify the payload
-    checksum (``verify=False`` skips it).  Reopening a directory finds the blocks it holds, oldest
-    (by modification time) first.
-    """
-
-    medium = "DISK"
-    overhead = HEADER_SIZE
-    SUFFIX = ".kvb"
-    READ_CHUNK = 256 << 10
-
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        capacity: int,
-        *,
-        fsync: bool = False,
-        verify: bool = True,
-        pin: bool = False,
-    ) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.capacity = int(capacity)
-        self.fsync = fsync
-        self.verify = verify
-        self.pinned = bool(pin and cuda_available())
-        self._keys: set[int] = set()
-        self._tmp_ids = itertools.count()
-
-    def __contains__(self, key: int) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def path(self, key: int) -> Path:
-        return self.directory / f"{key:016x}{self.SUFFIX}"
-
-    def scan(self) -> list[tuple[int, int, int | None]]:
-        """(key, payload bytes, parent) of the valid blocks found, oldest first; drops debris."""
-        found: list[tuple[float, int, int, int | None]] = []
-        for entry in os.scandir(self.directory):
-            if entry.name.endswith(".tmp"):
-                _unlink_quietly(entry.path)  # an interrupted write
-                continue
-            if not entry.name.endswith(self.SUFFIX):
-                continue
-            try:
-                with open(entry.path, "rb") as f:
-                    header = BlockHeader.unpack(f.read(HEADER_SIZE))
-                st = entry.stat()
-                if (
-                    st.st_size != HEADER_SIZE + header.nbytes
-                    or entry.name != self.path(header.key).name
-                ):
-                    raise BlockFormatError("size or name does not match the header")
-            except (OSError, BlockFormatError):
-                _unlink_quietly(entry.path)
-                continue
-            found.append((st.st_mtime, header.key, header.nbytes, header.parent))
-        found.sort()
-        self._keys.update(k for _, k, _, _ in found)
-        return [(k, n, p) for _, k, n, p in found]
-
-    def held(self) -> tuple[int, int]:
-        sizes = [os.stat(self.path(k)).st_size for k in self._keys]
-        return len(sizes), sum(sizes)
-
-    def store(self, key: int, tensor: torch.Tensor, meta: BlockMeta, *, owned: bool) -> None:
-        host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
-        host = host.contiguous()
-        view = payload_view(host)
-        if meta.checksum is None:
-            meta.checksum = checksum(view)
-        header = header_for(key, host, parent=meta.parent, csum=meta.checksum).pack()
-        final = self.path(key)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.{next(self._tmp_ids)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            _write_all(fd, [memoryview(header), view])
-            if self.fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        os.replace(tmp, final)
-        self._keys.add(key)
-
-    def load(self, key: int, *, host: bool = True) -> torch.Tensor:
-        """Read and (unless ``verify=False``) verify the block; raises OSError / BlockFormatError.
-
-        The payload is read in ``READ_CHUNK`` pieces, each hashed while still in cache.
-        """
-        fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            header = BlockHeader.unpack(os.pread(fd, HEADER_SIZE, 0))
-            if header.key != key:
-                raise BlockFormatError(f"file for {key:016x} holds block {header.key:016x}")
-            if os.fstat(fd).st_size != HEADER_SIZE + header.nbytes:
-                raise BlockFormatError(f"block file {key:016x} has the wrong size")
-            data = torch.empty(header.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-            view = memoryview(data.numpy())
-            check = self.verify and header.checksum is not None
-            hasher = xxhash.xxh3_64() if check else None
-            step = self.READ_CHUNK if check else max(1, header.nbytes)
-            pos = 0
-            while pos < header.nbytes:
-                n = os.preadv(fd, [view[pos : pos + step]], HEADER_SIZE + pos)
-                if n == 0:
-                    raise BlockFormatError(f"block file {key:016x} is truncated")
-                if hasher is not None:
-                    hasher.update(view[pos : pos + n])
-                pos += n
-        finally:
-            os.close(fd)
-        if hasher is not None and hasher.intdigest() != header.checksum:
-            raise ChecksumMismatch(key, header.checksum, hasher.intdigest())
-        return data.view(header.dtype).view(header.shape)
-
-    def delete(self, key: int) -> None:
-        self._keys.discard(key)
-        try:
-            os.unlink(self.path(key))
-        except FileNotFoundError:
-            pass
-
-    def close(self) -> None:
-        return None  # nothing held open; the files stay for a reopen
-
-
-def _unlink_quietly(path: str | os.PathLike) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _write_all(fd: int, bufs: list[memoryview]) -> None:
-    bufs = [b for b in bufs if len(b)]
-    while bufs:
-        n = os.writev(fd, bufs)
-        while n and bufs:
-            if n >= len(bufs[0]):
-                n -= len(bufs.pop(0))
-            else:
-                bufs[0] = bufs[0][n:]
-                n = 0

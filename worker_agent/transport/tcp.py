@@ -290,14 +290,27 @@ class TcpBlockServer:
         return items, i
 
     async def _serve_fetch(self, stream: SocketStream, keys: Sequence[int], prefix: bool) -> None:
-        total, i = 0, 0
-        while i < len(keys):
-            items, i = await asyncio.to_thread(self._export_chunk, keys, i, prefix)
-            if items:
-                body = pack_versions([v for _, _, v in items])
-                frame = pack_frame(Op.BLOCKS, len(items), len(body)) + body
-                await send_blocks(stream, frame, ((h, t) for h, t, _ in items))
-                total += len(items)
+        """Send the blocks chunk by chunk; the next chunk is exported (a thread: it may read the
+        disk tier) while the current one is being sent, so the socket never waits for it."""
+
+        def export(start: int):
+            return asyncio.ensure_future(
+                asyncio.to_thread(self._export_chunk, keys, start, prefix)
+            )
+
+        total, ahead = 0, export(0) if keys else None
+        try:
+            while ahead is not None:
+                items, i = await ahead
+                ahead = export(i) if i < len(keys) else None
+                if items:
+                    body = pack_versions([v for _, _, v in items])
+                    frame = pack_frame(Op.BLOCKS, len(items), len(body)) + body
+                    await send_blocks(stream, frame, ((h, t) for h, t, _ in items))
+                    total += len(items)
+        finally:
+            if ahead is not None:
+                ahead.cancel()
         await stream.sendv([pack_frame(Op.ACK, total)])
 
     def _store_blocks(self, blocks: list[Block]) -> int:
@@ -307,18 +320,28 @@ class TcpBlockServer:
         )
 
     async def _accept_push(self, stream: SocketStream, versions: list) -> None:
+        """Receive and store chunk by chunk; a chunk is stored (a thread: it may demote to disk)
+        while the next one is received, one chunk in the store at a time."""
         receiver = BlockReceiver(self.store.landing, verify=self.verify)
         stored, pending, size, bad, count = 0, [], 0, [], len(versions)
-        for i, version in enumerate(versions):
-            block = await receiver.recv(stream)  # a bad block still keeps the stream in sync
-            pending.append(block._replace(version=version))
-            size += block.tensor.nbytes
-            if size >= self.chunk_bytes or i == count - 1:
-                bad += receiver.mismatches()
-                rejected = {e.key for e in bad}
-                keep = [b for b in pending if b.key not in rejected]
-                stored += await asyncio.to_thread(self.accept, keep)
-                pending, size = [], 0
+        storing: asyncio.Future | None = None
+        try:
+            for i, version in enumerate(versions):
+                block = await receiver.recv(stream)  # a bad block still keeps the stream in sync
+                pending.append(block._replace(version=version))
+                size += block.tensor.nbytes
+                if size >= self.chunk_bytes or i == count - 1:
+                    bad += receiver.mismatches()
+                    rejected = {e.key for e in bad}
+                    keep = [b for b in pending if b.key not in rejected]
+                    stored += await storing if storing is not None else 0
+                    storing = asyncio.ensure_future(asyncio.to_thread(self.accept, keep))
+                    pending, size = [], 0
+            stored += await storing if storing is not None else 0
+            storing = None
+        finally:
+            if storing is not None:
+                storing.cancel()
         if bad:
             await stream.sendv([error_message(str(bad[0]))])
         else:
