@@ -13,7 +13,8 @@ into GB/s and ratios against the baselines timed in the same rounds):
 * tier disk->CPU    ``KVBlockStore.move`` back (file read + checksum verify + the file recycled);
                     "verify off": the same without the checksum pass (to show what it costs)
 * raw file write/read  the same bytes with bare os.write / os.readv, one file per block
-* raw loopback      two processes, ``sock_sendall`` / ``sock_recv_into`` of the same bytes into a
+* raw loopback      two processes, the transport's own socket I/O (``SocketStream``: vectored
+                    sends, recv_into with SO_RCVLOWAT wake-ups) of the same bytes into a
                     reused buffer, no framing: the baseline of the TCP rows ("distinct memory":
                     received into one buffer per byte, as blocks are; a second reference)
 * tcp fetch / push  ``TcpTransport`` against a ``TcpBlockServer`` in another process; push sends
@@ -131,6 +132,8 @@ def bench_tiers(blocks: dict[int, torch.Tensor], rounds: int, disk_dir: str) -> 
 # -- TCP ---------------------------------------------------------------------------------------
 def _raw_peer(port_q, total: int, chunk: int, tune: bool) -> None:
     """Per request byte: b"g" -> send ``total`` bytes; b"p" -> receive ``total`` bytes, ack."""
+    from .transport.sockio import SocketStream
+
     if tune:
         tune_host_allocator()
 
@@ -141,16 +144,14 @@ def _raw_peer(port_q, total: int, chunk: int, tune: bool) -> None:
         port_q.put(ls.getsockname()[1])
         conn, _ = await loop.sock_accept(ls)
         conn.setblocking(False)
+        stream = SocketStream(conn)
         buf = memoryview(bytearray(chunk))
-        while await loop.sock_recv_into(conn, buf[:1]):
+        while await stream.recv_into(buf[:1], boundary=True):
             if buf[0] == ord("g"):
-                for _ in range(total // chunk):
-                    await loop.sock_sendall(conn, buf)
+                await stream.sendv([buf] * (total // chunk))
             else:
-                got = 0
-                while got < total:
-                    got += await loop.sock_recv_into(conn, buf)
-                await loop.sock_sendall(conn, b"k")
+                await _recv_total(stream, buf, total)
+                await stream.sendv([b"k"])
 
     asyncio.run(main())
 
@@ -180,27 +181,35 @@ def _spawn(target, *args):
     return proc, q.get(timeout=120)
 
 
-async def _raw_round(sock: socket.socket, buf: memoryview, total: int, op: bytes) -> None:
-    """b"g": receive ``total`` bytes into ``buf`` (wrapping when it is smaller); b"p": send."""
-    loop = asyncio.get_running_loop()
-    await loop.sock_sendall(sock, op)
+async def _recv_total(stream, buf: memoryview, total: int) -> None:
+    """``total`` bytes into ``buf`` (wrapping when it is smaller), read the way the transport
+    reads a socket (``SocketStream``: recv_into, SO_RCVLOWAT wake-ups) but with no framing,
+    checksum or allocation: the machine's limit that the TCP rows are measured against."""
+    got = 0
+    while got < total:
+        n = min(len(buf), total - got)
+        await stream.recv_into(buf[:n])
+        got += n
+
+
+async def _raw_round(stream, buf: memoryview, total: int, op: bytes) -> None:
+    """b"g": receive ``total`` bytes into ``buf``; b"p": send them (vectored), wait for the ack."""
+    await stream.sendv([op])
     if op == b"g":
-        got = 0
-        while got < total:
-            pos = got % len(buf)
-            got += await loop.sock_recv_into(sock, buf[pos : pos + total - got])
+        await _recv_total(stream, buf, total)
     else:
-        for _ in range(total // len(buf)):
-            await loop.sock_sendall(sock, buf)
-        await loop.sock_recv_into(sock, buf[:1])
+        await stream.sendv([buf] * (total // len(buf)))
+        await stream.recv_into(buf[:1])
 
 
 async def _tcp_rounds(raw_port: int, blk_port: int, blocks: dict, rounds: int) -> dict:
+    from .transport.sockio import SocketStream
     from .transport.tcp import TcpTransport
 
     loop = asyncio.get_running_loop()
     sock = socket.create_connection(("127.0.0.1", raw_port))
     sock.setblocking(False)
+    raw = SocketStream(sock)
     chunk = next(iter(blocks.values())).nbytes
     total = chunk * len(blocks)
     buf = memoryview(bytearray(chunk))
@@ -223,9 +232,9 @@ async def _tcp_rounds(raw_port: int, blk_port: int, blocks: dict, rounds: int) -
 
     for i in range(rounds + 1):
         rec = i > 0
-        await timed_async("raw loopback peer->us", _raw_round(sock, buf, total, b"g"), rec)
+        await timed_async("raw loopback peer->us", _raw_round(raw, buf, total, b"g"), rec)
         await timed_async(
-            "raw ... distinct memory", _raw_round(sock, region_view, total, b"g"), rec
+            "raw ... distinct memory", _raw_round(raw, region_view, total, b"g"), rec
         )
         got = await timed_async("tcp fetch", client.fetch(peer, keys), rec)
         if not rec:  # the server made the same blocks from the same seed
@@ -233,7 +242,7 @@ async def _tcp_rounds(raw_port: int, blk_port: int, blocks: dict, rounds: int) -
         del got
         got = await timed_async("tcp fetch, verify off", trusting.fetch(peer, keys), rec)
         del got
-        await timed_async("raw loopback us->peer", _raw_round(sock, buf, total, b"p"), rec)
+        await timed_async("raw loopback us->peer", _raw_round(raw, buf, total, b"p"), rec)
         await timed_async("tcp push", client.push(peer, known), rec)
         await timed_async("tcp push, hash on send", client.push(peer, items), rec)
     sock.close()
