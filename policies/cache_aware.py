@@ -79,6 +79,7 @@ from .base import BasePolicy
 from .deps import resolve_deps
 from .scoring import LoadBound, hrw_weight, prompt_tokens, rendezvous_key, rendezvous_seed
 from .types import ClusterView, Decision, Outcome, RequestFeatures
+from .warming import Warming
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,15 @@ class CacheAwareParams:
     busy_ms_per_request: float = 2.0
     load_factor: float = 1.25
     load_slack: float = 4.0
-    tie_ms: float = 100.0
+    tie_ms: float = 5.0
+    pull_margin_ms: float = 100.0
     learn_capacity: bool = True
     migrate: bool = False
     transfer_ms_per_token: float = 0.01
     transfer_overhead_ms: float = 2.0
     migrate_min_tokens: int = 256
+    service_alpha: float = 0.05
+    warm_min_ms: float = 20.0
 
     def validate(self) -> None:
         if self.prefill_ms_per_token < 0 or self.decode_ms_per_token < 0:
@@ -104,10 +108,12 @@ class CacheAwareParams:
             raise ValueError("max_running must be >= 1")
         if self.avg_output_tokens < 0:
             raise ValueError("avg_output_tokens must be >= 0")
-        if self.tie_ms < 0 or self.busy_ms_per_request < 0:
-            raise ValueError("tie_ms and busy_ms_per_request must be >= 0")
+        if min(self.tie_ms, self.pull_margin_ms, self.busy_ms_per_request, self.warm_min_ms) < 0:
+            raise ValueError("tie_ms, pull_margin_ms, busy_ms_per_request, warm_min_ms: >= 0")
         if self.transfer_ms_per_token < 0 or self.transfer_overhead_ms < 0:
             raise ValueError("transfer costs must be >= 0")
+        if not 0.0 <= self.service_alpha <= 1.0:
+            raise ValueError("service_alpha must be in [0, 1]")
         if self.migrate_min_tokens < 1:
             raise ValueError("migrate_min_tokens must be >= 1")
         LoadBound(self.load_factor, self.load_slack).validate()
@@ -121,10 +127,14 @@ class _Score(NamedTuple):
     load: int
     pull: int = 0  # tokens to pull from the holder first
     pull_ms: float = 0.0
+    warm: bool = False  # still computing part of this prompt's prefix (a copy in flight)
+    blocks: int = 0  # blocks the index records for the replica (its cache footprint)
 
 
 def _pick(ties: list[_Score], bound_id: str | None, req: RequestFeatures) -> _Score:
-    """The session's replica if it ties, else rendezvous among the least loaded ties."""
+    """The session's replica if it ties, else among the least loaded ties: the one already
+    computing this prefix, then the longest hit, then the smallest cache footprint, then
+    rendezvous."""
     if len(ties) == 1:
         return ties[0]
     for s in ties:
@@ -132,7 +142,10 @@ def _pick(ties: list[_Score], bound_id: str | None, req: RequestFeatures) -> _Sc
             return s
     low = min(s.load for s in ties) + 1
     seed = rendezvous_seed(rendezvous_key(req))
-    return max((s for s in ties if s.load <= low), key=lambda s: hrw_weight(seed, s.id))
+    return max(
+        (s for s in ties if s.load <= low),
+        key=lambda s: (s.warm, s.hit, -s.blocks, hrw_weight(seed, s.id)),
+    )
 
 
 def _reason(chosen: _Score, scored: list[_Score], ties: list[_Score], bound_id: str | None) -> str:
@@ -146,6 +159,12 @@ def _reason(chosen: _Score, scored: list[_Score], ties: list[_Score], bound_id: 
     return "prefix-hit" if chosen.hit else "cold-rendezvous"
 
 
+def _warm_s(ttft_ms: float) -> float:
+    """How long a dispatched prefill counts as in flight: its predicted TTFT plus a margin for
+    what the model leaves out (transport, the engine's own overhead)."""
+    return (ttft_ms * 1.25 + 10.0) / 1000
+
+
 class CacheAware(BasePolicy):
     name = "cache_aware"
 
@@ -156,7 +175,9 @@ class CacheAware(BasePolicy):
         self._clock = d.clock
         self._p = params
         self._bound = LoadBound(params.load_factor, params.load_slack)
-        self._slot_ms = params.avg_output_tokens * params.decode_ms_per_token / params.max_running
+        self._service_ms = params.avg_output_tokens * params.decode_ms_per_token
+        self._slot_ms = self._service_ms / params.max_running
+        self._warming = Warming()
 
     def queue_ms(self, load: int, waiting: int = 0) -> float:
         """Predicted wait before a new request's prefill starts on a replica with ``load``."""
@@ -166,20 +187,23 @@ class CacheAware(BasePolicy):
     def select(self, req: RequestFeatures, view: ClusterView) -> Decision:
         replicas = self.eligible(req, view)
         total = prompt_tokens(req)
-        tph = req.tokens_per_hash
         matched = self._index.match(req.prefix_hashes) if req.prefix_hashes else {}
         loads = [r.load for r in replicas]
         limit = self._bound.limit(loads)
         queue_ms = self.queue_ms
         pf = self._p.prefill_ms_per_token
-        hits = [min(total, matched.get(r.id, 0) * tph) for r in replicas]
+        hits, warm = self._ready_hits(req, replicas, matched, total)
         holder, top = self._holder(replicas, loads, hits)
+        exempt = top if any(warm) else -1  # a copy is in flight: its source may exceed the bound
         tie = self._p.tie_ms
+        blocks = self._index.blocks
         scored: list[_Score] = []
         pulls: list[_Score] = []  # the same replicas, pulling from the holder first
-        for r, load, hit in zip(replicas, loads, hits, strict=True):
+        for r, load, hit, w in zip(replicas, loads, hits, warm, strict=True):
             q = queue_ms(load, r.waiting)
-            scored.append(_Score(load > limit, q + (total - hit) * pf, r.id, hit, load))
+            over = load > limit and hit != exempt
+            scored.append(_Score(over, q + (total - hit) * pf, r.id, hit, load, 0, 0.0, w,
+                                 blocks(r.id)))  # fmt: skip
             pull, pull_ms = self._pull(top - hit) if holder is not None else (0, 0.0)
             if pull and load <= limit:
                 have = hit + pull
@@ -187,7 +211,7 @@ class CacheAware(BasePolicy):
                                     pull, pull_ms))  # fmt: skip
         best = min(s.ttft for s in scored if not s.over)
         best_pull = min((s.ttft for s in pulls), default=best)
-        if best_pull + tie < best:  # a pull must win by more than a tie (see the header)
+        if best_pull + self._p.pull_margin_ms < best:  # a pull must win by a margin (header)
             ties = [s for s in pulls if s.ttft <= best_pull + tie]
         else:
             ties = [s for s in scored if not s.over and s.ttft <= best + tie]
@@ -212,6 +236,24 @@ class CacheAware(BasePolicy):
             pull_tokens=chosen.pull,
         )
 
+    def _ready_hits(
+        self, req: RequestFeatures, replicas: list, matched: dict[str, int], total: int
+    ) -> tuple[list[int], list[bool]]:
+        """Per replica: cached tokens that exist now (not still being computed), and whether
+        part of the match is still being computed there."""
+        now = self._clock()
+        ready = self._warming.ready
+        hashes = req.prefix_hashes
+        tph = req.tokens_per_hash
+        hits: list[int] = []
+        warm: list[bool] = []
+        for r in replicas:
+            m = matched.get(r.id, 0)
+            k = ready(r.id, hashes, m, now) if m else 0
+            hits.append(min(total, k * tph))
+            warm.append(k < m)
+        return hits, warm
+
     def _holder(
         self, replicas: list, loads: list[int], hits: list[int]
     ) -> tuple[str | None, int]:
@@ -230,13 +272,35 @@ class CacheAware(BasePolicy):
         ms = p.transfer_overhead_ms + missing * p.transfer_ms_per_token
         return (missing, ms) if ms < missing * p.prefill_ms_per_token else (0, 0.0)
 
+    def _learn_service(self, req: RequestFeatures, outcome: Outcome) -> None:
+        """EWMA of the time a streamed request holds its slot after its first token."""
+        alpha = self._p.service_alpha
+        if alpha and req.stream and outcome.ok and outcome.ttft_s is not None:
+            ms = max(0.0, outcome.latency_s - outcome.ttft_s) * 1000
+            self._service_ms += alpha * (ms - self._service_ms)
+            self._slot_ms = self._service_ms / self._p.max_running
+
+    def _start_warming(self, req: RequestFeatures, decision: Decision, now: float) -> None:
+        """Record the prefill this dispatch starts, if long enough for a follower to care."""
+        tph = req.tokens_per_hash
+        # Blocks matched but not ready are an earlier request's, ready before these.
+        first = max(decision.predicted_cached_tokens // tph,
+                    int(decision.scores.get("matched_blocks", 0)))  # fmt: skip
+        computing = prompt_tokens(req) - first * tph
+        if computing * self._p.prefill_ms_per_token >= self._p.warm_min_ms:
+            ready_at = now + _warm_s(decision.scores.get("ttft_ms", 0.0))
+            self._warming.start(decision.replica, req.prefix_hashes, first, ready_at)
+
     def on_dispatch(self, req: RequestFeatures, decision: Decision, view: ClusterView) -> None:
         if req.prefix_hashes:
-            self._index.insert(decision.replica, req.prefix_hashes, self._clock())
+            now = self._clock()
+            self._index.insert(decision.replica, req.prefix_hashes, now)
+            self._start_warming(req, decision, now)
         if req.session_key is not None:
             self._sessions.bind(req.session_key, decision.replica)
 
     def on_complete(self, req: RequestFeatures, replica_id: str, outcome: Outcome) -> None:
+        self._learn_service(req, outcome)
         predicted = outcome.predicted_cached_tokens
         if predicted is None or not req.prefix_hashes:
             return
