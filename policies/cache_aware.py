@@ -100,6 +100,7 @@ class CacheAwareParams:
     migrate_min_tokens: int = 256
     service_alpha: float = 0.05
     warm_min_ms: float = 20.0
+    spill_when_full: bool = True
 
     def validate(self) -> None:
         if self.prefill_ms_per_token < 0 or self.decode_ms_per_token < 0:
@@ -132,19 +133,20 @@ class _Score(NamedTuple):
 
 
 def _pick(ties: list[_Score], bound_id: str | None, req: RequestFeatures) -> _Score:
-    """The session's replica if it ties, else among the least loaded ties: the one already
-    computing this prefix, then the longest hit, then the smallest cache footprint, then
+    """The session's replica if it ties; else the ties already computing this prefix, if any;
+    then among the least loaded of those: the longest hit, the smallest cache footprint, and
     rendezvous."""
     if len(ties) == 1:
         return ties[0]
     for s in ties:
         if s.id == bound_id:
             return s
+    ties = [s for s in ties if s.warm] or ties  # equally cold there: no second copy
     low = min(s.load for s in ties) + 1
     seed = rendezvous_seed(rendezvous_key(req))
     return max(
         (s for s in ties if s.load <= low),
-        key=lambda s: (s.warm, s.hit, -s.blocks, hrw_weight(seed, s.id)),
+        key=lambda s: (s.hit, -s.blocks, hrw_weight(seed, s.id)),
     )
 
 
@@ -189,12 +191,12 @@ class CacheAware(BasePolicy):
         total = prompt_tokens(req)
         matched = self._index.match(req.prefix_hashes) if req.prefix_hashes else {}
         loads = [r.load for r in replicas]
-        limit = self._bound.limit(loads)
+        limit = self._limit(loads)
         queue_ms = self.queue_ms
         pf = self._p.prefill_ms_per_token
         hits, warm = self._ready_hits(req, replicas, matched, total)
         holder, top = self._holder(replicas, loads, hits)
-        exempt = top if any(warm) else -1  # a copy is in flight: its source may exceed the bound
+        exempt = top if top and any(warm) else -1  # a copy in flight: its source may exceed the bound
         tie = self._p.tie_ms
         blocks = self._index.blocks
         scored: list[_Score] = []
@@ -235,6 +237,16 @@ class CacheAware(BasePolicy):
             pull_from=holder if chosen.pull else None,
             pull_tokens=chosen.pull,
         )
+
+    def _limit(self, loads: list[int]) -> float:
+        """Loads above this are over the bound: the textbook bound with slack, or, tighter, a
+        fair share (``load_factor`` x mean) once the replica has no free slot (it would queue)."""
+        limit = self._bound.limit(loads)
+        if not self._p.spill_when_full:
+            return limit
+        fair = self._p.load_factor * sum(loads) / len(loads)
+        full = self._p.max_running - 1  # a replica at max_running queues the next request
+        return min(limit, max(fair, full)) if fair < limit else limit
 
     def _ready_hits(
         self, req: RequestFeatures, replicas: list, matched: dict[str, int], total: int

@@ -96,7 +96,8 @@ def test_queue_delay_is_traded_against_prefill_saved(deps: PolicyDeps) -> None:
     deps.index.insert("r1", doc("small", 10))  # saves 64 ms
     deps.index.insert("r2", doc("big", 100))  # saves 640 ms
     # Take the bound and interference out: a request beyond the 4 slots costs 80 ms.
-    pol = build(deps, load_slack=100, max_running=4, avg_output_tokens=16, busy_ms_per_request=0)
+    pol = build(deps, load_slack=100, spill_when_full=False, max_running=4, avg_output_tokens=16,
+                busy_ms_per_request=0)  # fmt: skip
     small = pol.select(feat(doc("small", 100)), view(0, 6, 0, 0))  # 3 ahead: 240 ms > 64 saved
     assert small.replica != "r1" and small.reason == "load-fallback"
     big = pol.select(feat(doc("big", 100)), view(0, 0, 8, 0))  # 5 ahead: 400 ms < 640 saved
@@ -351,3 +352,28 @@ def test_a_follower_does_not_delay_the_prefix_an_earlier_request_computes(deps: 
     deps.clock.t = 0.5  # type: ignore[attr-defined]  # the first is done, the second is not
     d3 = pol.select(feat(shared + doc("q3-", 1)), view(1, 1, 1, 1))
     assert d3.replica == d1.replica and d3.predicted_cached_tokens == 50 * TPH
+
+
+def test_a_full_replica_above_its_fair_share_spills_before_the_slack(deps: PolicyDeps) -> None:
+    deps.index.insert("r0", doc("hot", 100))
+    # textbook limit: 1.25 * 4.5 + 4 = 9.6; one request ahead costs only 16 * 20 / 8 = 40 ms
+    pol = build(deps, max_running=8, load_slack=4, avg_output_tokens=16)
+    d = pol.select(feat(doc("hot", 100)), view(8, 4, 3, 3))  # r0 is full: the next would queue
+    assert d.replica != "r0" and d.reason == "load-fallback"
+    assert pol.select(feat(doc("hot", 100)), view(7, 4, 3, 3)).replica == "r0"  # a slot is free
+    assert pol.select(feat(doc("hot", 100)), view(8, 8, 8, 8)).replica == "r0"  # all full: fair
+    lax = build(deps, max_running=8, load_slack=4, avg_output_tokens=16, spill_when_full=False)
+    assert lax.select(feat(doc("hot", 100)), view(8, 4, 3, 3)).replica == "r0"
+
+
+def test_a_follower_joins_the_replica_computing_its_prefix_despite_more_load(
+    deps: PolicyDeps,
+) -> None:
+    pol = build(deps)
+    shared = doc("sys2", 50)
+    d1 = route(pol, feat(shared + doc("q1-", 1)), view(0, 0, 0, 0))
+    loads = [0, 0, 0, 0]
+    loads[int(d1.replica[1:])] = 2  # 4 ms of interference: within the tie window
+    deps.clock.t = 0.1  # type: ignore[attr-defined]
+    d2 = pol.select(feat(shared + doc("q2-", 1)), view(*loads))
+    assert d2.replica == d1.replica and d2.predicted_cached_tokens == 0
