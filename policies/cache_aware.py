@@ -164,7 +164,7 @@ def _reason(chosen: _Score, scored: list[_Score], ties: list[_Score], bound_id: 
 def _warm_s(ttft_ms: float) -> float:
     """How long a dispatched prefill counts as in flight: its predicted TTFT plus a margin for
     what the model leaves out (transport, the engine's own overhead)."""
-    return (ttft_ms * 1.25 + 10.0) / 1000
+    return (ttft_ms + 10.0) / 1000
 
 
 class CacheAware(BasePolicy):
@@ -240,12 +240,12 @@ class CacheAware(BasePolicy):
 
     def _limit(self, loads: list[int]) -> float:
         """Loads above this are over the bound: the textbook bound with slack, or, tighter, a
-        fair share (``load_factor`` x mean) once the replica has no free slot (it would queue)."""
+        fair share (``load_factor`` x mean) once requests already wait there for a slot."""
         limit = self._bound.limit(loads)
         if not self._p.spill_when_full:
             return limit
         fair = self._p.load_factor * sum(loads) / len(loads)
-        full = self._p.max_running - 1  # a replica at max_running queues the next request
+        full = self._p.max_running  # past max_running requests already wait for a slot
         return min(limit, max(fair, full)) if fair < limit else limit
 
     def _ready_hits(

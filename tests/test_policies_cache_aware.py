@@ -354,16 +354,18 @@ def test_a_follower_does_not_delay_the_prefix_an_earlier_request_computes(deps: 
     assert d3.replica == d1.replica and d3.predicted_cached_tokens == 50 * TPH
 
 
-def test_a_full_replica_above_its_fair_share_spills_before_the_slack(deps: PolicyDeps) -> None:
+def test_a_queueing_replica_above_its_fair_share_spills_before_the_slack(
+    deps: PolicyDeps,
+) -> None:
     deps.index.insert("r0", doc("hot", 100))
-    # textbook limit: 1.25 * 4.5 + 4 = 9.6; one request ahead costs only 16 * 20 / 8 = 40 ms
+    # textbook limit: 1.25 * 4.75 + 4 = 9.9; one request ahead costs only 16 * 20 / 8 = 40 ms
     pol = build(deps, max_running=8, load_slack=4, avg_output_tokens=16)
-    d = pol.select(feat(doc("hot", 100)), view(8, 4, 3, 3))  # r0 is full: the next would queue
+    d = pol.select(feat(doc("hot", 100)), view(9, 4, 3, 3))  # one already waits for a slot
     assert d.replica != "r0" and d.reason == "load-fallback"
-    assert pol.select(feat(doc("hot", 100)), view(7, 4, 3, 3)).replica == "r0"  # a slot is free
-    assert pol.select(feat(doc("hot", 100)), view(8, 8, 8, 8)).replica == "r0"  # all full: fair
+    assert pol.select(feat(doc("hot", 100)), view(8, 4, 3, 3)).replica == "r0"  # full, no queue
+    assert pol.select(feat(doc("hot", 100)), view(9, 9, 9, 9)).replica == "r0"  # all queue: fair
     lax = build(deps, max_running=8, load_slack=4, avg_output_tokens=16, spill_when_full=False)
-    assert lax.select(feat(doc("hot", 100)), view(8, 4, 3, 3)).replica == "r0"
+    assert lax.select(feat(doc("hot", 100)), view(9, 4, 3, 3)).replica == "r0"
 
 
 def test_a_follower_joins_the_replica_computing_its_prefix_despite_more_load(
