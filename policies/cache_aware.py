@@ -6,19 +6,23 @@ Algorithm (filter -> score -> pick):
 * Score, per replica r, in milliseconds::
 
       ahead(r)      = max(0, load(r) + 1 - max_running, waiting(r))
-      queue_ms(r)   = ahead(r) * avg_output_tokens * decode_ms_per_token / max_running
-                      + load(r) * busy_ms_per_request
+      queue_ms(r)   = ahead(r) * service_ms / max_running + load(r) * busy_ms_per_request
       prefill_ms(r) = (P - hit(r)) * prefill_ms_per_token
       ttft(r)       = queue_ms(r) + prefill_ms(r)
 
   ``load`` is max(gateway in-flight, engine running + waiting).  A replica runs about
-  ``max_running`` requests at once; past that a new request waits for slots, each freed after
-  ``avg_output_tokens`` decode steps, so every request ahead costs a slot's share of that service
-  time; an engine that reports requests ``waiting`` is saturated whatever ``max_running`` says.
+  ``max_running`` requests at once; past that a new request waits for slots, each held for
+  ``service_ms``, so every request ahead costs a slot's share of that service time; an engine
+  that reports requests ``waiting`` is saturated whatever ``max_running`` says.  ``service_ms``
+  starts at ``avg_output_tokens * decode_ms_per_token`` and follows an EWMA (``service_alpha``)
+  of what streamed requests really took after their first token (latency - ttft).
   Below that there is no queue, only interference (``busy_ms_per_request`` per request in flight,
   which also breaks ties toward the less loaded).  ``P`` is the prompt length in tokens and
-  ``hit(r) = min(P, matched(r) * tokens_per_hash)`` with ``matched(r)`` the leading prefix hashes
-  the ``PrefixIndex`` says r holds.  A session's earlier turns are in the index under the replica
+  ``hit(r) = min(P, ready(r) * tokens_per_hash)`` with ``ready(r)`` the leading prefix hashes the
+  ``PrefixIndex`` says r holds, less those a request dispatched there is still computing
+  (``policies.warming``: engines do not share a prefill in progress, so a follower recomputes
+  them; a dispatch counts as computing for its predicted TTFT + 10 ms, and only if that prefill
+  takes ``warm_min_ms`` or more).  A session's earlier turns are in the index under the replica
   they went to, so session affinity is scored as the cache it is, not as a rule.
 * Migration (``migrate``, off by default).  Let ``top = max_r hit(r)``, held by ``h`` (the least
   loaded of the replicas holding it).  A replica r with ``top - hit(r) >= migrate_min_tokens`` can
@@ -28,24 +32,31 @@ Algorithm (filter -> score -> pick):
 
   and when ``pull_ms(r) < (top - hit(r)) * prefill_ms_per_token`` r (if within the load bound)
   gets a second score, ``ttft_pull(r) = queue_ms(r) + (P - top) * prefill_ms_per_token +
-  pull_ms(r)``.  Pulls win only by more than a tie: if ``min ttft_pull + tie_ms < min ttft`` (the
+  pull_ms(r)``.  Pulls win only by a margin: if ``min ttft_pull + pull_margin_ms < min ttft`` (the
   plain scores, over the bound excluded) the pick is made among the pull scores within
   ``tie_ms`` of their minimum, else exactly as without migration.  Copying a prefix costs cache
   space on the receiver, which the TTFT model does not price: without that margin every prefix
   spreads to every replica whenever a pull is within a tie of its holder (in the shared_prefix
   benchmark that cost 18 points of hit rate).  So when h is overloaded -- its queue exceeds about
-  ``pull_ms + tie_ms``, long before it exceeds a full recompute -- a cheap-transfer replica
+  ``pull_ms + pull_margin_ms``, long before it exceeds a full recompute -- a cheap-transfer replica
   takes the spill at about h's hit; the decision then carries ``pull_from = h`` and
   ``pull_tokens = top - hit(r)`` (the gateway passes them on as ``kv_transfer_params``) and
   predicts ``top`` cached tokens.
 * Bounded load (Mirrokni et al.): replicas with ``load > load_factor * mean_load + load_slack`` are
   set aside unless all are (the least loaded never is).  This stops a hot prefix from herding.
+  With ``spill_when_full`` the bound is tighter where it matters: a replica where requests
+  already wait for a slot (``load > max_running``) is set aside once above ``load_factor *
+  mean_load``, so a hot prefix gets its next copy before its holder builds a queue.  While a copy
+  is being computed somewhere (a replica is computing part of this prompt's prefix), the
+  replicas holding the longest ready hit stay eligible: sending more followers to the copy would
+  make each of them recompute it, so they wait in the holder's queue if that is faster.
 * Pick: the minimum ttft; replicas within ``tie_ms`` of it are ties.  The session's current
-  binding wins if it is among them (stickiness costs nothing there); otherwise, among the ties
-  whose load is within one request of the least loaded tie, rendezvous hashing of the session key
-  (or the first prefix hash) decides: cold prefixes spread over the least loaded replicas instead
-  of piling onto one, and independent gateways, whose in-flight counts differ by about one, make
-  the same choice without talking.
+  binding wins if it is among them (stickiness costs nothing there); otherwise the ties already
+  computing this prefix, if any (equally cold there, and no second copy); then among those whose
+  load is within one request of the least loaded: the longest hit, then the smallest cache
+  footprint (``PrefixIndex.blocks``, as sglang sends a miss to the smallest tree: fewer
+  evictions), then rendezvous hashing of the session key (or the first prefix hash), so that
+  independent gateways with the same view make the same choice without talking.
 * Decision: ``predicted_cached_tokens = hit(chosen)`` (pulled tokens included); alternates are
   the other replicas by plain ttft (those over the bound last); reason ``migrate`` (it pulls
   from a holder), else ``load-fallback`` (a longer match elsewhere lost on load or the bound),
@@ -61,9 +72,12 @@ Parameters (defaults sized for an 8B model on one H100; set ``max_running`` to t
 concurrency -- e.g. vLLM's max_num_seqs, or the simulator's max_running -- since below it the model
 sees no queue and only the load bound guards against herding):
 prefill_ms_per_token 0.1, decode_ms_per_token 20, max_running 64, avg_output_tokens 256,
-busy_ms_per_request 2, load_factor 1.25, load_slack 4, tie_ms 100, learn_capacity true; migrate
-false, transfer_ms_per_token 0.01 (an 8B model's 128 KiB of KV per token at 12.5 GB/s),
-transfer_overhead_ms 2, migrate_min_tokens 256.
+busy_ms_per_request 2, load_factor 1.25, load_slack 4, spill_when_full true, tie_ms 5 (about two
+requests of interference: a wider window threw away real hits -- in the hot_prefix benchmark a
+100 ms window scattered every 44 ms tail prefix over all replicas), service_alpha 0.05,
+warm_min_ms 20, learn_capacity true; migrate false, pull_margin_ms 100, transfer_ms_per_token 0.01
+(an 8B model's 128 KiB of KV per token at 12.5 GB/s), transfer_overhead_ms 2, migrate_min_tokens
+256.
 ``load_slack`` 4 rather than the textbook bound (``load + 1 <= c * (mean + 1)``, i.e. slack
 ``c - 1``): in a simulation of multi-turn sessions on 8 replicas the tight bound moved sessions
 away from their cache at low load (hit rate 0.84 against 0.91, mean TTFT 226 ms against 124 ms)
