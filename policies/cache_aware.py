@@ -6,21 +6,25 @@ Algorithm (filter -> score -> pick):
 * Score, per replica r, in milliseconds::
 
       ahead(r)      = max(0, load(r) + 1 - max_running, waiting(r))
-      queue_ms(r)   = ahead(r) * avg_output_tokens * decode_ms_per_token / max_running
-                      + load(r) * busy_ms_per_request
+      queue_ms(r)   = ahead(r) * service_ms / max_running + load(r) * busy_ms_per_request
       prefill_ms(r) = (P - hit(r)) * prefill_ms_per_token
       ttft(r)       = queue_ms(r) + prefill_ms(r)
 
   ``load`` is max(gateway in-flight, engine running + waiting).  A replica runs about
-  ``max_running`` requests at once; past that a new request waits for slots, each freed after
-  ``avg_output_tokens`` decode steps, so every request ahead costs a slot's share of that service
-  time; an engine that reports requests ``waiting`` is saturated whatever ``max_running`` says.
+  ``max_running`` requests at once; past that a new request waits for slots, each held for
+  ``service_ms``, so every request ahead costs a slot's share of that service time; an engine
+  that reports requests ``waiting`` is saturated whatever ``max_running`` says.  ``service_ms``
+  starts at ``avg_output_tokens * decode_ms_per_token`` and follows an EWMA (``service_alpha``)
+  of what streamed requests really took after their first token (latency - ttft).
   Below that there is no queue, only interference (``busy_ms_per_request`` per request in flight,
   which also breaks ties toward the less loaded).  ``P`` is the prompt length in tokens and
-  ``hit(r) = min(P, matched(r) * tokens_per_hash)`` with ``matched(r)`` the leading prefix hashes
-  the ``PrefixIndex`` says r holds; with ``engine_block_tokens`` b > 1 it is counted as the
-  engine counts it: ``floor(min(hit, P - 1) / b) * b`` (vLLM caches whole blocks, and computes the
-  prompt's last token again).  A session's earlier turns are in the index under the replica
+  ``hit(r) = min(P, ready(r) * tokens_per_hash)`` with ``ready(r)`` the leading prefix hashes the
+  ``PrefixIndex`` says r holds, less those a request dispatched there is still computing
+  (``policies.warming``: engines do not share a prefill in progress, so a follower recomputes
+  them; a dispatch counts as computing for its predicted TTFT + 10 ms, and only if that prefill
+  takes ``warm_min_ms`` or more).  With ``engine_block_tokens`` b > 1 a hit is counted as the
+  engine counts it: ``floor(min(hit, P - 1) / b) * b`` (vLLM caches whole blocks, and computes
+  the prompt's last token again).  A session's earlier turns are in the index under the replica
   they went to, so session affinity is scored as the cache it is, not as a rule.
 * Migration (``migrate``, off by default).  Let ``top = max_r hit(r)``, held by ``h`` (the least
   loaded of the replicas holding it).  A replica r with ``top - hit(r) >= migrate_min_tokens`` can
@@ -30,24 +34,31 @@ Algorithm (filter -> score -> pick):
 
   and when ``pull_ms(r) < (top - hit(r)) * prefill_ms_per_token`` r (if within the load bound)
   gets a second score, ``ttft_pull(r) = queue_ms(r) + (P - top) * prefill_ms_per_token +
-  pull_ms(r)``.  Pulls win only by more than a tie: if ``min ttft_pull + tie_ms < min ttft`` (the
+  pull_ms(r)``.  Pulls win only by a margin: if ``min ttft_pull + pull_margin_ms < min ttft`` (the
   plain scores, over the bound excluded) the pick is made among the pull scores within
   ``tie_ms`` of their minimum, else exactly as without migration.  Copying a prefix costs cache
   space on the receiver, which the TTFT model does not price: without that margin every prefix
   spreads to every replica whenever a pull is within a tie of its holder (in the shared_prefix
   benchmark that cost 18 points of hit rate).  So when h is overloaded -- its queue exceeds about
-  ``pull_ms + tie_ms``, long before it exceeds a full recompute -- a cheap-transfer replica
+  ``pull_ms + pull_margin_ms``, long before it exceeds a full recompute -- a cheap-transfer replica
   takes the spill at about h's hit; the decision then carries ``pull_from = h`` and
   ``pull_tokens = top - hit(r)`` (the gateway passes them on as ``kv_transfer_params``) and
   predicts ``top`` cached tokens.
 * Bounded load (Mirrokni et al.): replicas with ``load > load_factor * mean_load + load_slack`` are
   set aside unless all are (the least loaded never is).  This stops a hot prefix from herding.
+  With ``spill_when_full`` the bound is tighter where it matters: a replica where requests
+  already wait for a slot (``load > max_running``) is set aside once above ``load_factor *
+  mean_load``, so a hot prefix gets its next copy before its holder builds a queue.  While a copy
+  is being computed somewhere (a replica is computing part of this prompt's prefix), the
+  replicas holding the longest ready hit stay eligible: sending more followers to the copy would
+  make each of them recompute it, so they wait in the holder's queue if that is faster.
 * Pick: the minimum ttft; replicas within ``tie_ms`` of it are ties.  The session's current
-  binding wins if it is among them (stickiness costs nothing there); otherwise, among the ties
-  whose load is within one request of the least loaded tie, rendezvous hashing of the session key
-  (or the first prefix hash) decides: cold prefixes spread over the least loaded replicas instead
-  of piling onto one, and independent gateways, whose in-flight counts differ by about one, make
-  the same choice without talking.
+  binding wins if it is among them (stickiness costs nothing there); otherwise the ties already
+  computing this prefix, if any (equally cold there, and no second copy); then among those whose
+  load is within one request of the least loaded: the longest hit, then the smallest cache
+  footprint (``PrefixIndex.blocks``, as sglang sends a miss to the smallest tree: fewer
+  evictions), then rendezvous hashing of the session key (or the first prefix hash), so that
+  independent gateways with the same view make the same choice without talking.
 * Decision: ``predicted_cached_tokens = hit(chosen)`` (pulled tokens included); alternates are
   the other replicas by plain ttft (those over the bound last); reason ``migrate`` (it pulls
   from a holder), else ``load-fallback`` (a longer match elsewhere lost on load or the bound),
@@ -63,13 +74,16 @@ Parameters (defaults sized for an 8B model on one H100; set ``max_running`` to t
 concurrency -- e.g. vLLM's max_num_seqs, or the simulator's max_running -- since below it the model
 sees no queue and only the load bound guards against herding):
 prefill_ms_per_token 0.1, decode_ms_per_token 20, max_running 64, avg_output_tokens 256,
-busy_ms_per_request 2, load_factor 1.25, load_slack 4, tie_ms 100, learn_capacity true; migrate
-false, transfer_ms_per_token 0.01 (an 8B model's 128 KiB of KV per token at 12.5 GB/s),
-transfer_overhead_ms 2, migrate_min_tokens 256, engine_block_tokens 1 (no rounding; set it to the
-engine's block size -- vLLM's --block-size: 16 on GPUs by default, 128 on CPUs -- when its blocks
-are much longer than ``tokens_per_hash``: otherwise a shared prefix shorter than one engine block
-is predicted as cached, reported as 0, and every such request after ``settle_s`` is taken for an
-eviction and shrinks the learned capacity by 10%).
+busy_ms_per_request 2, load_factor 1.25, load_slack 4, spill_when_full true, tie_ms 5 (about two
+requests of interference: a wider window threw away real hits -- in the hot_prefix benchmark a
+100 ms window scattered every 44 ms tail prefix over all replicas), service_alpha 0.05,
+warm_min_ms 20, learn_capacity true; migrate false, pull_margin_ms 100, transfer_ms_per_token 0.01
+(an 8B model's 128 KiB of KV per token at 12.5 GB/s), transfer_overhead_ms 2, migrate_min_tokens
+256, engine_block_tokens 1 (no rounding; set it to the engine's block size -- vLLM's --block-size:
+16 on GPUs by default, 128 on CPUs -- when its blocks are much longer than ``tokens_per_hash``:
+otherwise a shared prefix shorter than one engine block is predicted as cached, reported as 0,
+and every such request after ``settle_s`` is taken for an eviction and shrinks the learned
+capacity by 10%).
 ``load_slack`` 4 rather than the textbook bound (``load + 1 <= c * (mean + 1)``, i.e. slack
 ``c - 1``): in a simulation of multi-turn sessions on 8 replicas the tight bound moved sessions
 away from their cache at low load (hit rate 0.84 against 0.91, mean TTFT 226 ms against 124 ms)
@@ -85,6 +99,7 @@ from .base import BasePolicy
 from .deps import resolve_deps
 from .scoring import LoadBound, hrw_weight, prompt_tokens, rendezvous_key, rendezvous_seed
 from .types import ClusterView, Decision, Outcome, RequestFeatures
+from .warming import Warming
 
 
 @dataclass(frozen=True)
@@ -96,12 +111,16 @@ class CacheAwareParams:
     busy_ms_per_request: float = 2.0
     load_factor: float = 1.25
     load_slack: float = 4.0
-    tie_ms: float = 100.0
+    tie_ms: float = 5.0
+    pull_margin_ms: float = 100.0
     learn_capacity: bool = True
     migrate: bool = False
     transfer_ms_per_token: float = 0.01
     transfer_overhead_ms: float = 2.0
     migrate_min_tokens: int = 256
+    service_alpha: float = 0.05
+    warm_min_ms: float = 20.0
+    spill_when_full: bool = True
     engine_block_tokens: int = 1
 
     def validate(self) -> None:
@@ -111,10 +130,12 @@ class CacheAwareParams:
             raise ValueError("max_running must be >= 1")
         if self.avg_output_tokens < 0:
             raise ValueError("avg_output_tokens must be >= 0")
-        if self.tie_ms < 0 or self.busy_ms_per_request < 0:
-            raise ValueError("tie_ms and busy_ms_per_request must be >= 0")
+        if min(self.tie_ms, self.pull_margin_ms, self.busy_ms_per_request, self.warm_min_ms) < 0:
+            raise ValueError("tie_ms, pull_margin_ms, busy_ms_per_request, warm_min_ms: >= 0")
         if self.transfer_ms_per_token < 0 or self.transfer_overhead_ms < 0:
             raise ValueError("transfer costs must be >= 0")
+        if not 0.0 <= self.service_alpha <= 1.0:
+            raise ValueError("service_alpha must be in [0, 1]")
         if self.migrate_min_tokens < 1:
             raise ValueError("migrate_min_tokens must be >= 1")
         if self.engine_block_tokens < 1:
@@ -130,18 +151,26 @@ class _Score(NamedTuple):
     load: int
     pull: int = 0  # tokens to pull from the holder first
     pull_ms: float = 0.0
+    warm: bool = False  # still computing part of this prompt's prefix (a copy in flight)
+    blocks: int = 0  # blocks the index records for the replica (its cache footprint)
 
 
 def _pick(ties: list[_Score], bound_id: str | None, req: RequestFeatures) -> _Score:
-    """The session's replica if it ties, else rendezvous among the least loaded ties."""
+    """The session's replica if it ties; else the ties already computing this prefix, if any;
+    then among the least loaded of those: the longest hit, the smallest cache footprint, and
+    rendezvous."""
     if len(ties) == 1:
         return ties[0]
     for s in ties:
         if s.id == bound_id:
             return s
+    ties = [s for s in ties if s.warm] or ties  # equally cold there: no second copy
     low = min(s.load for s in ties) + 1
     seed = rendezvous_seed(rendezvous_key(req))
-    return max((s for s in ties if s.load <= low), key=lambda s: hrw_weight(seed, s.id))
+    return max(
+        (s for s in ties if s.load <= low),
+        key=lambda s: (s.hit, -s.blocks, hrw_weight(seed, s.id)),
+    )
 
 
 def _reason(chosen: _Score, scored: list[_Score], ties: list[_Score], bound_id: str | None) -> str:
@@ -155,6 +184,12 @@ def _reason(chosen: _Score, scored: list[_Score], ties: list[_Score], bound_id: 
     return "prefix-hit" if chosen.hit else "cold-rendezvous"
 
 
+def _warm_s(ttft_ms: float) -> float:
+    """How long a dispatched prefill counts as in flight: its predicted TTFT plus a margin for
+    what the model leaves out (transport, the engine's own overhead)."""
+    return (ttft_ms + 10.0) / 1000
+
+
 class CacheAware(BasePolicy):
     name = "cache_aware"
 
@@ -165,7 +200,9 @@ class CacheAware(BasePolicy):
         self._clock = d.clock
         self._p = params
         self._bound = LoadBound(params.load_factor, params.load_slack)
-        self._slot_ms = params.avg_output_tokens * params.decode_ms_per_token / params.max_running
+        self._service_ms = params.avg_output_tokens * params.decode_ms_per_token
+        self._slot_ms = self._service_ms / params.max_running
+        self._warming = Warming()
 
     def queue_ms(self, load: int, waiting: int = 0) -> float:
         """Predicted wait before a new request's prefill starts on a replica with ``load``."""
@@ -175,22 +212,23 @@ class CacheAware(BasePolicy):
     def select(self, req: RequestFeatures, view: ClusterView) -> Decision:
         replicas = self.eligible(req, view)
         total = prompt_tokens(req)
-        tph = req.tokens_per_hash
         matched = self._index.match(req.prefix_hashes) if req.prefix_hashes else {}
         loads = [r.load for r in replicas]
-        limit = self._bound.limit(loads)
+        limit = self._limit(loads)
         queue_ms = self.queue_ms
         pf = self._p.prefill_ms_per_token
-        hits = [min(total, matched.get(r.id, 0) * tph) for r in replicas]
-        if (block := self._p.engine_block_tokens) > 1:  # whole engine blocks, never the last token
-            hits = [max(0, min(h, total - 1)) // block * block for h in hits]
+        hits, warm = self._ready_hits(req, replicas, matched, total)
         holder, top = self._holder(replicas, loads, hits)
+        exempt = top if top and any(warm) else -1  # a copy in flight: its source may exceed the bound
         tie = self._p.tie_ms
+        blocks = self._index.blocks
         scored: list[_Score] = []
         pulls: list[_Score] = []  # the same replicas, pulling from the holder first
-        for r, load, hit in zip(replicas, loads, hits, strict=True):
+        for r, load, hit, w in zip(replicas, loads, hits, warm, strict=True):
             q = queue_ms(load, r.waiting)
-            scored.append(_Score(load > limit, q + (total - hit) * pf, r.id, hit, load))
+            over = load > limit and hit != exempt
+            scored.append(_Score(over, q + (total - hit) * pf, r.id, hit, load, 0, 0.0, w,
+                                 blocks(r.id)))  # fmt: skip
             pull, pull_ms = self._pull(top - hit) if holder is not None else (0, 0.0)
             if pull and load <= limit:
                 have = hit + pull
@@ -198,7 +236,7 @@ class CacheAware(BasePolicy):
                                     pull, pull_ms))  # fmt: skip
         best = min(s.ttft for s in scored if not s.over)
         best_pull = min((s.ttft for s in pulls), default=best)
-        if best_pull + tie < best:  # a pull must win by more than a tie (see the header)
+        if best_pull + self._p.pull_margin_ms < best:  # a pull must win by a margin (header)
             ties = [s for s in pulls if s.ttft <= best_pull + tie]
         else:
             ties = [s for s in scored if not s.over and s.ttft <= best + tie]
@@ -223,6 +261,38 @@ class CacheAware(BasePolicy):
             pull_tokens=chosen.pull,
         )
 
+    def _limit(self, loads: list[int]) -> float:
+        """Loads above this are over the bound: the textbook bound with slack, or, tighter, a
+        fair share (``load_factor`` x mean) once requests already wait there for a slot."""
+        limit = self._bound.limit(loads)
+        if not self._p.spill_when_full:
+            return limit
+        fair = self._p.load_factor * sum(loads) / len(loads)
+        full = self._p.max_running  # past max_running requests already wait for a slot
+        return min(limit, max(fair, full)) if fair < limit else limit
+
+    def _ready_hits(
+        self, req: RequestFeatures, replicas: list, matched: dict[str, int], total: int
+    ) -> tuple[list[int], list[bool]]:
+        """Per replica: cached tokens that exist now (not still being computed), and whether
+        part of the match is still being computed there."""
+        now = self._clock()
+        ready = self._warming.ready
+        hashes = req.prefix_hashes
+        tph = req.tokens_per_hash
+        block = self._p.engine_block_tokens
+        hits: list[int] = []
+        warm: list[bool] = []
+        for r in replicas:
+            m = matched.get(r.id, 0)
+            k = ready(r.id, hashes, m, now) if m else 0
+            hit = min(total, k * tph)
+            if block > 1:  # whole engine blocks, never the prompt's last token
+                hit = max(0, min(hit, total - 1)) // block * block
+            hits.append(hit)
+            warm.append(k < m)
+        return hits, warm
+
     def _holder(
         self, replicas: list, loads: list[int], hits: list[int]
     ) -> tuple[str | None, int]:
@@ -241,13 +311,35 @@ class CacheAware(BasePolicy):
         ms = p.transfer_overhead_ms + missing * p.transfer_ms_per_token
         return (missing, ms) if ms < missing * p.prefill_ms_per_token else (0, 0.0)
 
+    def _learn_service(self, req: RequestFeatures, outcome: Outcome) -> None:
+        """EWMA of the time a streamed request holds its slot after its first token."""
+        alpha = self._p.service_alpha
+        if alpha and req.stream and outcome.ok and outcome.ttft_s is not None:
+            ms = max(0.0, outcome.latency_s - outcome.ttft_s) * 1000
+            self._service_ms += alpha * (ms - self._service_ms)
+            self._slot_ms = self._service_ms / self._p.max_running
+
+    def _start_warming(self, req: RequestFeatures, decision: Decision, now: float) -> None:
+        """Record the prefill this dispatch starts, if long enough for a follower to care."""
+        tph = req.tokens_per_hash
+        # Blocks matched but not ready are an earlier request's, ready before these.
+        first = max(decision.predicted_cached_tokens // tph,
+                    int(decision.scores.get("matched_blocks", 0)))  # fmt: skip
+        computing = prompt_tokens(req) - first * tph
+        if computing * self._p.prefill_ms_per_token >= self._p.warm_min_ms:
+            ready_at = now + _warm_s(decision.scores.get("ttft_ms", 0.0))
+            self._warming.start(decision.replica, req.prefix_hashes, first, ready_at)
+
     def on_dispatch(self, req: RequestFeatures, decision: Decision, view: ClusterView) -> None:
         if req.prefix_hashes:
-            self._index.insert(decision.replica, req.prefix_hashes, self._clock())
+            now = self._clock()
+            self._index.insert(decision.replica, req.prefix_hashes, now)
+            self._start_warming(req, decision, now)
         if req.session_key is not None:
             self._sessions.bind(req.session_key, decision.replica)
 
     def on_complete(self, req: RequestFeatures, replica_id: str, outcome: Outcome) -> None:
+        self._learn_service(req, outcome)
         predicted = outcome.predicted_cached_tokens
         if predicted is None or not req.prefix_hashes:
             return

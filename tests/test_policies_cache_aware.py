@@ -96,7 +96,8 @@ def test_queue_delay_is_traded_against_prefill_saved(deps: PolicyDeps) -> None:
     deps.index.insert("r1", doc("small", 10))  # saves 64 ms
     deps.index.insert("r2", doc("big", 100))  # saves 640 ms
     # Take the bound and interference out: a request beyond the 4 slots costs 80 ms.
-    pol = build(deps, load_slack=100, max_running=4, avg_output_tokens=16, busy_ms_per_request=0)
+    pol = build(deps, load_slack=100, spill_when_full=False, max_running=4, avg_output_tokens=16,
+                busy_ms_per_request=0)  # fmt: skip
     small = pol.select(feat(doc("small", 100)), view(0, 6, 0, 0))  # 3 ahead: 240 ms > 64 saved
     assert small.replica != "r1" and small.reason == "load-fallback"
     big = pol.select(feat(doc("big", 100)), view(0, 0, 8, 0))  # 5 ahead: 400 ms < 640 saved
@@ -121,13 +122,15 @@ def test_alternates_are_ordered_by_predicted_ttft(deps: PolicyDeps) -> None:
     assert d.candidates() == ("r0", "r2", "r3", "r1")
 
 
-def test_a_tiny_hit_within_the_tie_window_is_a_tie(deps: PolicyDeps) -> None:
-    deps.index.insert("r3", doc("q", 1))  # 6.4 ms: inside the default 100 ms window
-    picks = Counter()
-    for k in range(200):
-        req = feat(doc("q", 1) + doc(f"tail{k}-", 3), session=f"s{k}")
-        picks[build(deps).select(req, view(0, 0, 0, 0)).replica] += 1
-    assert len(picks) == 4
+def test_a_hit_within_the_tie_window_goes_to_the_less_loaded(deps: PolicyDeps) -> None:
+    deps.index.insert("r3", doc("q", 1))  # 6.4 ms saved, 4 ms of interference: a tie
+    deps.index.insert("r3", doc("long", 10))  # 64 ms saved: no tie
+    pol = build(deps)
+    busy = view(0, 0, 0, 2)
+    assert pol.select(feat(doc("q", 1) + doc("t", 3)), busy).replica != "r3"
+    assert pol.select(feat(doc("q", 1) + doc("t", 3)), view(0, 0, 0, 0)).replica == "r3"
+    assert pol.select(feat(doc("long", 10) + doc("t", 3)), busy).replica == "r3"
+    assert build(deps, tie_ms=0).select(feat(doc("q", 1) + doc("t", 3)), busy).replica == "r3"
 
 
 # ---------------------------------------------------------------- ties and spreading
@@ -189,6 +192,7 @@ def test_conversation_turns_follow_the_cache(deps: PolicyDeps) -> None:
     assert first.reason == "cold-rendezvous"
     assert deps.sessions.peek("s1") == first.replica
     for turn in range(21, 25):
+        deps.clock.t += 5.0  # type: ignore[attr-defined]  # the previous turn has answered
         d = route(pol, feat(doc("chat", turn * 2), session="s1"), view(1, 1, 1, 1))
         assert d.replica == first.replica
         assert d.reason == "session"
@@ -252,7 +256,7 @@ def test_shortfall_on_a_prefix_still_being_computed_teaches_nothing(deps: Policy
     d1 = route(pol, first, v)
     deps.clock.t = 0.5  # type: ignore[attr-defined]
     d2 = route(pol, second, v)  # the first one is still prefilling the document
-    assert d2.replica == d1.replica and d2.predicted_cached_tokens == 100 * TPH
+    assert d2.replica == d1.replica and d2.predicted_cached_tokens == 0
     deps.clock.t = 3.0  # type: ignore[attr-defined]
     out = Outcome(ok=True, cached_tokens=0, latency_s=2.5, predicted_cached_tokens=100 * TPH)
     pol.on_complete(second, d2.replica, out)
@@ -318,3 +322,95 @@ def test_unknown_model_raises(deps: PolicyDeps) -> None:
     v = ClusterView((ReplicaState("r0", models=frozenset({"llama"})),))
     with pytest.raises(NoReplicaError):
         build(deps).select(feat(doc("a", 2), model="other"), v)
+
+
+# ---------------------------------------------------------------- prefills in flight
+
+
+def test_a_prefix_still_being_computed_is_predicted_cold_until_ready(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    shared = doc("doc", 100)  # 640 ms of prefill
+    d1 = route(pol, feat(shared + doc("a", 1)), view(0, 0, 0, 0))
+    deps.clock.t = 0.3  # type: ignore[attr-defined]
+    d2 = pol.select(feat(shared + doc("b", 1)), view(1, 1, 1, 1))
+    assert d2.replica == d1.replica  # a copy is coming there anyway: no second copy elsewhere
+    assert d2.predicted_cached_tokens == 0
+    deps.clock.t = 0.9  # type: ignore[attr-defined]  # 640 ms and the 25% + 10 ms margin
+    d3 = pol.select(feat(shared + doc("c", 1)), view(1, 1, 1, 1))
+    assert d3.replica == d1.replica and d3.predicted_cached_tokens == 100 * TPH
+
+
+def test_a_spill_in_flight_keeps_the_holder_eligible_over_the_bound(deps: PolicyDeps) -> None:
+    pol = build(deps, load_factor=1.0, load_slack=0, max_running=64)
+    hot = doc("hot", 100)
+    deps.index.insert("r0", hot)
+    v = view(6, 1, 1, 1)  # r0 is over the bound: the first request spills, cold
+    first = route(pol, feat(hot + doc("a", 1)), v)
+    assert first.replica != "r0" and first.reason == "load-fallback"
+    deps.clock.t = 0.1  # type: ignore[attr-defined]
+    second = pol.select(feat(hot + doc("b", 1)), v)  # the copy is still being computed
+    assert second.replica == "r0" and second.predicted_cached_tokens == 100 * TPH
+    deps.clock.t = 1.0  # type: ignore[attr-defined]
+    third = pol.select(feat(hot + doc("c", 1)), v)  # the copy is ready: the bound holds again
+    assert third.replica == first.replica and third.reason == "prefix-hit"
+
+
+def test_the_queue_model_learns_how_long_a_request_holds_its_slot(deps: PolicyDeps) -> None:
+    pol = build(deps, max_running=4, avg_output_tokens=100, decode_ms_per_token=20,
+                busy_ms_per_request=0, service_alpha=0.5)  # fmt: skip
+    assert pol.queue_ms(4) == 500  # prior: 100 tokens * 20 ms / 4 slots
+    req = RequestFeatures("m", doc("s", 2), TPH, 2 * TPH, 0, None, stream=True)
+    for _ in range(20):  # the requests really hold a slot 0.4 s after their first token
+        pol.on_complete(req, "r0", Outcome(ok=True, latency_s=0.5, ttft_s=0.1))
+    assert pol.queue_ms(4) == pytest.approx(100, rel=0.01)
+    unary = RequestFeatures("m", doc("s", 2), TPH, 2 * TPH, 0, None, stream=False)
+    pol.on_complete(unary, "r0", Outcome(ok=True, latency_s=0.5, ttft_s=0.5))  # no token timing
+    assert pol.queue_ms(4) == pytest.approx(100, rel=0.01)
+
+
+def test_cold_prefixes_prefer_the_smaller_cache_footprint(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    deps.index.insert("r0", doc("big", 300))
+    deps.index.insert("r1", doc("mid", 200))
+    deps.index.insert("r2", doc("small", 100))
+    d = pol.select(feat(doc("new", 10)), view(0, 0, 0, 2))  # r3 is empty but busier
+    assert d.replica == "r2" and d.reason == "cold-rendezvous"
+
+
+def test_a_follower_does_not_delay_the_prefix_an_earlier_request_computes(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    shared = doc("sys", 50)  # 320 ms of prefill
+    d1 = route(pol, feat(shared + doc("q1-", 1)), view(0, 0, 0, 0))
+    deps.clock.t = 0.1  # type: ignore[attr-defined]
+    d2 = route(pol, feat(shared + doc("q2-", 1)), view(1, 1, 1, 1))  # recomputes the prefix
+    assert d2.replica == d1.replica and d2.predicted_cached_tokens == 0
+    deps.clock.t = 0.5  # type: ignore[attr-defined]  # the first is done, the second is not
+    d3 = pol.select(feat(shared + doc("q3-", 1)), view(1, 1, 1, 1))
+    assert d3.replica == d1.replica and d3.predicted_cached_tokens == 50 * TPH
+
+
+def test_a_queueing_replica_above_its_fair_share_spills_before_the_slack(
+    deps: PolicyDeps,
+) -> None:
+    deps.index.insert("r0", doc("hot", 100))
+    # textbook limit: 1.25 * 4.75 + 4 = 9.9; one request ahead costs only 16 * 20 / 8 = 40 ms
+    pol = build(deps, max_running=8, load_slack=4, avg_output_tokens=16)
+    d = pol.select(feat(doc("hot", 100)), view(9, 4, 3, 3))  # one already waits for a slot
+    assert d.replica != "r0" and d.reason == "load-fallback"
+    assert pol.select(feat(doc("hot", 100)), view(8, 4, 3, 3)).replica == "r0"  # full, no queue
+    assert pol.select(feat(doc("hot", 100)), view(9, 9, 9, 9)).replica == "r0"  # all queue: fair
+    lax = build(deps, max_running=8, load_slack=4, avg_output_tokens=16, spill_when_full=False)
+    assert lax.select(feat(doc("hot", 100)), view(9, 4, 3, 3)).replica == "r0"
+
+
+def test_a_follower_joins_the_replica_computing_its_prefix_despite_more_load(
+    deps: PolicyDeps,
+) -> None:
+    pol = build(deps)
+    shared = doc("sys2", 50)
+    d1 = route(pol, feat(shared + doc("q1-", 1)), view(0, 0, 0, 0))
+    loads = [0, 0, 0, 0]
+    loads[int(d1.replica[1:])] = 2  # 4 ms of interference: within the tie window
+    deps.clock.t = 0.1  # type: ignore[attr-defined]
+    d2 = pol.select(feat(shared + doc("q2-", 1)), view(*loads))
+    assert d2.replica == d1.replica and d2.predicted_cached_tokens == 0

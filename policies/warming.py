@@ -1,0 +1,53 @@
+"""Prefills in flight: which replica is still computing which part of which prefix.
+
+The ``PrefixIndex`` records a dispatched chain at once, so a request that follows another with the
+same new prefix by less than its prefill time is predicted to hit blocks that do not exist yet.
+Engines do not share a prefill in progress (vLLM caches a block once it is computed; the
+simulator likewise), so the follower recomputes them: it is as cold there as anywhere.
+
+Algorithm (pure, per policy instance, not shared between gateways):
+
+* ``start(replica, hashes, first, ready_at)``: ``replica`` computes blocks ``first..`` of the chain
+  ``hashes`` until ``ready_at``.  Stored as (ready_at, first, hashes[first]): by the chain property
+  an equal hash at position ``first`` means the same prefix.  Each replica keeps its ``per_replica``
+  most recent entries (a replica with more prefills in flight than that is saturated anyway).
+* ``ready(replica, hashes, matched, now)``: of the ``matched`` leading blocks the index says the
+  replica holds, how many exist now: the smallest ``first`` of a live entry whose block hash is
+  the request's at that position (``matched`` if none).  Asked only for replicas that match, at
+  one tuple compare per entry.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+
+class Warming:
+    __slots__ = ("_live", "_per_replica")
+
+    def __init__(self, per_replica: int = 32) -> None:
+        self._live: dict[str, deque[tuple[float, int, int]]] = {}
+        self._per_replica = per_replica
+
+    def start(self, replica: str, hashes: Sequence[int], first: int, ready_at: float) -> None:
+        if first >= len(hashes):
+            return
+        live = self._live.get(replica)
+        if live is None:
+            live = self._live[replica] = deque(maxlen=self._per_replica)
+        live.append((ready_at, first, hashes[first]))
+
+    def ready(self, replica: str, hashes: Sequence[int], matched: int, now: float) -> int:
+        """Blocks of the ``matched`` leading ones that ``replica`` has finished computing."""
+        live = self._live.get(replica)
+        if not live:
+            return matched
+        out = matched
+        for ready_at, first, h in live:
+            if first < out and ready_at > now and hashes[first] == h:
+                out = first
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._live.values())
