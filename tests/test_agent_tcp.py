@@ -265,3 +265,25 @@ async def test_a_reply_trickling_in_small_pieces_is_assembled():
     assert got.key == 9 and same_bytes(got.tensor, t)
     await client.close()
     server.close()
+
+
+async def test_blocks_move_over_the_local_unix_socket(tmp_path):
+    """The engine-local path (``unix:PATH``): the same protocol on an AF_UNIX listener beside the
+    TCP port, byte-identical both ways, and the socket file is removed on close."""
+    src, dst = store(), store()
+    blocks = make_blocks(7, 40)
+    for k, t in blocks.items():
+        src.put(k, t)
+    path = str(tmp_path / "agent.sock")
+    client = TcpTransport(timeout=20)
+    async with TcpBlockServer(src, unix_path=path) as a, TcpBlockServer(dst, unix_path=path + "2"):
+        local = f"unix:{path}"
+        got = await client.fetch(local, list(blocks))
+        assert [b.key for b in got] == list(blocks)
+        assert all(same_bytes(b.tensor, blocks[b.key]) for b in got)
+        assert await client.push(f"unix:{path}2", got) == len(blocks)
+        assert all(same_bytes(dst.get(k), t) for k, t in blocks.items())
+        assert len(client._idle[tcp.parse_peer(local)]) == 1  # pooled like a TCP peer
+        assert [b.key for b in await client.fetch(a.address, list(blocks)[:2])] == list(blocks)[:2]
+    await client.close()
+    assert not (tmp_path / "agent.sock").exists()

@@ -15,6 +15,9 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8100, help="control API port (default 8100)")
     p.add_argument("--data-host", default=None, help="data port address (default: --host)")
     p.add_argument("--data-port", type=int, default=8101, help="TCP block port (0: any free)")
+    p.add_argument("--data-unix", metavar="PATH", default=None,
+                   help="also serve blocks on this Unix socket: the engine-local connector's "
+                        "cheap way in (peer address unix:PATH)")
     p.add_argument("--events", default="tcp://*:5557",
                    help="ZMQ PUB endpoint for vLLM-format KV events ('*' binds, else connects; "
                    "'none' disables)")  # fmt: skip
@@ -64,6 +67,7 @@ def agent_config_from_args(args: argparse.Namespace):
         port=args.port,
         data_host=args.data_host or args.host,
         data_port=args.data_port,
+        data_unix=args.data_unix,
         events_endpoint=events,
         replay_endpoint=args.replay,
         topic=args.topic,

@@ -45,6 +45,7 @@ class AgentConfig:
     port: int = 8100  # HTTP control API
     data_host: str = "127.0.0.1"
     data_port: int = 8101  # TCP block transport (0: any free port)
+    data_unix: str | None = None  # also serve blocks on this Unix socket (an engine-local connector)
     events_endpoint: str | None = "tcp://*:5557"  # ZMQ PUB (None: no socket)
     replay_endpoint: str | None = None  # ZMQ ROUTER for replays
     topic: str = "kv-events"
@@ -119,7 +120,7 @@ class AgentService:
         self.blocks = VersionedBlocks(self.store, config.name)
         self.server = TcpBlockServer(
             self.store, config.data_host, config.data_port, timeout=config.transfer_timeout_s,
-            export=self.blocks.export, accept=self.blocks.accept,
+            export=self.blocks.export, accept=self.blocks.accept, unix_path=config.data_unix,
         )  # fmt: skip
         self.transport = TcpTransport(timeout=config.transfer_timeout_s, alloc=self.store.landing)
         self.bandwidth = RateEstimator(config.bandwidth_prior)

@@ -42,16 +42,24 @@ def default_alloc(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def parse_peer(peer: Peer) -> tuple[str, int]:
+UNIX = "unix"  # parse_peer("unix:/path") -> ("unix", "/path"): a Unix-domain socket on this host
+
+
+def parse_peer(peer: Peer) -> tuple[str, int | str]:
+    """``host:port``, ``[v6]:port``, or ``unix:/path`` for the local agent's Unix socket (what a
+    connector inside the engine's process uses: no TCP/IP stack on the way)."""
     if isinstance(peer, tuple):
         return peer
+    if peer.startswith(UNIX + ":"):
+        return UNIX, peer[len(UNIX) + 1 :]
     host, _, port = peer.rpartition(":")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def tune(sock: socket.socket, sock_buf: int | None) -> None:
     sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if sock_buf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sock_buf)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sock_buf)

@@ -18,7 +18,9 @@ version) and hands pushed blocks, versions attached, to its ``accept(blocks) -> 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import socket
 from collections.abc import Sequence
 
@@ -42,6 +44,7 @@ from .framing import (
     unpack_versions,
 )
 from .sockio import (
+    UNIX,
     Alloc,
     BlockReceiver,
     Peer,
@@ -133,12 +136,15 @@ class TcpTransport:
             raise RemoteError((await stream.recv_exact(frame.body_len)).decode(errors="replace"))
         return frame
 
-    async def _connect(self, addr: tuple[str, int]) -> SocketStream:
+    async def _connect(self, addr: tuple[str, int | str]) -> SocketStream:
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET)
+        if addr[0] == UNIX:
+            sock, target = socket.socket(socket.AF_UNIX), addr[1]
+        else:
+            sock, target = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET), addr
         tune(sock, self.sock_buf)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, addr), self.connect_timeout)
+            await asyncio.wait_for(loop.sock_connect(sock, target), self.connect_timeout)
         except asyncio.TimeoutError as exc:
             sock.close()
             raise TransferTimeout(f"connecting to {addr[0]}:{addr[1]} timed out") from exc
@@ -197,8 +203,11 @@ class TcpBlockServer:
         recv_chunk: int = 256 << 10,
         export=None,
         accept=None,
+        unix_path: str | None = None,
     ) -> None:
         self.store = store
+        self.unix_path = unix_path  # also listen here (AF_UNIX): the engine-local connector's way in
+        self._unix: socket.socket | None = None
         self.export = export or self._export
         self.accept = accept or self._store_blocks
         self.recv_chunk = recv_chunk
@@ -223,12 +232,24 @@ class TcpBlockServer:
     async def start(self) -> TcpBlockServer:
         self._sock = socket.create_server((self.host, self._port), backlog=128)
         self._sock.setblocking(False)
-        self._spawn(self._accept_loop())
+        self._spawn(self._accept_loop(self._sock))
+        if self.unix_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.unix_path)  # a stale socket file from an earlier run
+            self._unix = socket.socket(socket.AF_UNIX)
+            self._unix.bind(self.unix_path)
+            self._unix.listen(128)
+            self._unix.setblocking(False)
+            self._spawn(self._accept_loop(self._unix))
         return self
 
     async def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
+        if self._unix is not None:
+            self._unix.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.unix_path)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -244,10 +265,10 @@ class TcpBlockServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _accept_loop(self) -> None:
+    async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            conn, _ = await loop.sock_accept(listener)
             tune(conn, self.sock_buf)
             self._spawn(self._serve(SocketStream(conn, recv_chunk=self.recv_chunk)))
 
