@@ -43,7 +43,7 @@ class _Cycle:
 
     __slots__ = ("conn", "scope", "body", "body_size", "more_body", "waiter", "started",
                  "complete", "chunked", "keep_alive", "head", "expect_continue", "no_body",
-                 "remaining", "flush_handle", "delivered")
+                 "remaining", "delivered")
 
     def __init__(self, conn: HttpConnection, scope: dict, keep_alive: bool, expect: bool) -> None:
         self.conn = conn
@@ -60,7 +60,6 @@ class _Cycle:
         self.expect_continue = expect
         self.no_body = False
         self.remaining: int | None = None  # content-length left to send; None: none declared
-        self.flush_handle: asyncio.Handle | None = None
         self.delivered = False  # the last http.request message went to the app
 
     def wake(self) -> None:
@@ -140,15 +139,10 @@ class _Cycle:
         head = b"".join(parts)
         if head.count(b"\n") != lines:  # no response splitting through a header value
             raise RuntimeError("a response header contains a line break")
-        self.head = head
-        # The body usually follows in this same iteration (one write); if not, flush the head.
-        self.flush_handle = self.conn.loop.call_soon(self._flush_head)
-
-    def _flush_head(self) -> None:
-        self.flush_handle = None
-        head, self.head = self.head, None
-        if head is not None and not self.conn.closed:
+        if length is None:  # streamed: the client sees the head before any event exists
             self.conn.transport.write(head)
+        else:  # the body follows (it makes the response): head and body leave in one write
+            self.head = head
 
     def _body(self, body: bytes, more: bool) -> None:
         if self.no_body:

@@ -10,9 +10,9 @@ same job for what the gateway needs, and no more:
   100-continue``, request bodies streamed to ``receive`` with read backpressure (reading pauses
   while more than ``max_buffered_body`` bytes wait), write backpressure (``send`` waits while the
   transport's buffer is above its high-water mark).
-* The response head is held until the first body message and written with it in one syscall; if
-  no body follows within the same event-loop iteration the head goes out alone (a stream's
-  headers never wait for its first event).  Chunked encoding when the app gives no
+* A response with a content-length has its head held until the body and written with it in one
+  syscall; a streamed one (no length) has its head written at once, so a stream's headers never
+  wait for its first event.  Chunked encoding when the app gives no
   content-length; HEAD, 204 and 304 have no body.
 * A client that goes away: ``receive`` returns ``http.disconnect`` at once, and later ``send`` calls
   are ignored.  An app that raises before its response starts gets a 500 with an OpenAI-shaped
