@@ -325,6 +325,10 @@ class Proxy:
                     ex.finished = ended = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": False})
                     break
+                if tail.endswith(SSE_DONE):
+                    # The stream's logical end: clients (the openai SDK) hang up on [DONE] without
+                    # waiting for the replica's chunk terminator; that is no abort to cancel.
+                    ex.finished = True
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except fc.HTTPError as exc:
             self._upstream_failed(ex.replica, error_kind(exc))

@@ -207,3 +207,71 @@ async def test_shutdown_cuts_a_stalled_stream_at_the_grace_deadline():
                     async for _ in lines:
                         pass
             await gateway_group.wait()
+
+
+async def test_a_client_hanging_up_on_done_is_not_an_abort():
+    """The openai SDK closes the connection on ``data: [DONE]`` without reading the replica's chunk
+    terminator.  The gateway must count that stream as complete (200, usage and cached tokens),
+    not as a client abort (499, nothing learned)."""
+    import asyncio
+
+    from gateway.config import GatewayConfig, ReplicaConfig
+    from gateway.runner import gateway_spec
+    from gateway.servers import ServerGroup, free_port
+
+    release = asyncio.Event()
+    usage = {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
+             "prompt_tokens_details": {"cached_tokens": 32}}
+    events = [{"choices": [{"index": 0, "delta": {"content": "hi"}}]},
+              {"choices": [], "usage": usage}]
+    sse = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+    async def replica(reader, writer):
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            if not head.startswith(b"POST"):  # health checks, metrics
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                continue
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(sse), sse))
+            await writer.drain()
+            await release.wait()  # the terminator comes late, after the client has hung up
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    upstream = await asyncio.start_server(replica, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{upstream.sockets[0].getsockname()[1]}"
+    cfg = GatewayConfig(port=free_port(), replicas=(ReplicaConfig(url, models=("tiny",)),),
+                        log_level="warning", policy="round_robin").validate()
+    spec = gateway_spec(cfg)
+    group = ServerGroup([spec])
+    await group.start()
+    base = f"http://127.0.0.1:{cfg.port}"
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            async with c.stream("POST", base + CHAT, json=body(stream=True)) as resp:
+                async for line in resp.aiter_lines():
+                    if line == "data: [DONE]":
+                        break
+                watch = spec.app.state.proxy.disconnects
+                for _ in range(500):  # until the gateway watches this request for a hang-up
+                    if not watch.pending:
+                        break
+                    await asyncio.sleep(0.01)
+                assert not watch.pending
+            # the client closed the connection without the terminator
+            release.set()
+            for _ in range(500):
+                metrics = (await c.get(base + "/metrics")).text
+                if 'route="/v1/chat/completions",status="' in metrics:
+                    break
+                await asyncio.sleep(0.01)
+        assert 'kvgate_requests_total{route="/v1/chat/completions",status="200"} 1.0' in metrics
+        assert 'status="499"' not in metrics
+        assert 'kvgate_actual_cached_tokens_total{policy="round_robin"} 32.0' in metrics
+    finally:
+        await group.stop()
+        upstream.close()
