@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as _ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 from .fastpool import _OriginPool
@@ -127,10 +127,13 @@ class FastClient:
         target: str = "",
         headers: Iterable[tuple[bytes, bytes]] = (),
         body: bytes = b"",
+        on_sent: Callable[[], None] | None = None,
     ) -> Response:
         """Send a request to ``base_url + target``; returns once the response head is in.
 
         ``headers`` are sent as given, after ``host`` and ``content-length`` (do not pass those).
+        ``on_sent`` is called once the request is written, or before the first wait for a
+        connection, whichever comes first: never after another task has run.
         """
         if self._closed:
             raise RuntimeError("the client is closed")
@@ -150,9 +153,14 @@ class FastClient:
         data = b"".join(head)
         conn = pool.take_idle()
         if conn is None:
+            if on_sent is not None:
+                on_sent()
+                on_sent = None
             conn = await pool.acquire()
         resp = Response(conn)
         conn.start(resp, data, self.read_timeout)
+        if on_sent is not None:  # the bytes are on their way: bookkeeping off the critical path
+            on_sent()
         try:
             while not resp._head_done:
                 if resp._error is not None:

@@ -51,13 +51,17 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_data = self.loop.time()
-        if self.response is None:  # bytes on an idle connection: not HTTP we can use
+        resp = self.response
+        if resp is None:  # bytes on an idle connection: not HTTP we can use
             self.close()
             return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._broken(RemoteProtocolError(f"invalid HTTP response from {self.pool.name}: {exc}"))
+            return
+        if resp._sink is not None:
+            resp._drain()
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost does the rest

@@ -8,7 +8,7 @@ connection methods of :class:`_Conn`, so this module imports nothing of the clie
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 HIGH_WATER = 1 << 20  # unread body bytes above which the socket stops being read
@@ -64,7 +64,7 @@ class Response:
 
     __slots__ = (
         "status", "headers", "http_version", "_conn", "_chunks", "_buffered", "_done",
-        "_error", "_waiter", "_wait_started", "_head_done", "_paused",
+        "_error", "_waiter", "_wait_started", "_head_done", "_paused", "_sink",
     )
 
     def __init__(self, conn: _Conn) -> None:
@@ -80,6 +80,7 @@ class Response:
         self._wait_started = 0.0
         self._head_done = False
         self._paused = False
+        self._sink: Callable[[bytes], bool] | None = None  # see sink_until_done
 
     # -- reading
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
@@ -106,15 +107,44 @@ class Response:
                 if self._error is not None:
                     raise self._error
                 return b""
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
+        data = self._peek()
+        self._taken()
+        return data
+
+    async def sink_until_done(self, sink: Callable[[bytes], bool]) -> None:
+        """Hand the body to ``sink`` as the connection reads it (one call per socket read, inside
+        the connection's ``data_received``), until the body has all arrived, the connection fails,
+        or ``sink`` refuses a piece by returning False; what is then left, :meth:`read_chunk`
+        returns.  The end of the body is never given to ``sink``: it stays for ``read_chunk``."""
+        if self._done or self._error is not None or self._conn is None:
+            return
+        if self._chunks and not self._give(sink):
+            return
+        self._sink = sink
+        try:
+            await self._new_waiter()
+        finally:
+            self._sink = None
+
+    def _peek(self) -> bytes:
+        chunks = self._chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _taken(self) -> None:
+        """The queued bytes were handed on: forget them, read the socket again if paused."""
+        self._chunks.clear()
         self._buffered = 0
         if self._paused:
             self._paused = False
             conn = self._conn
             if conn is not None:
                 conn.resume_reading()
-        return data
+
+    def _give(self, sink: Callable[[bytes], bool]) -> bool:
+        if not sink(self._peek()):
+            return False
+        self._taken()
+        return True
 
     async def aread(self) -> bytes:
         """The whole (rest of the) body."""
@@ -168,9 +198,20 @@ class Response:
         if self._buffered > HIGH_WATER and not self._paused and self._conn is not None:
             self._paused = True
             self._conn.pause_reading()
+        if self._sink is not None:
+            return  # the connection calls _drain once this read is parsed
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+
+    def _drain(self) -> None:
+        """After a read was parsed: give its body to the sink (see :meth:`sink_until_done`)."""
+        sink = self._sink
+        if sink is None or not self._chunks or self._done:
+            return
+        if not self._give(sink):
+            self._sink = None
+            self._wake()
 
     def _finish(self) -> None:
         self._done = True

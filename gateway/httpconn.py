@@ -16,6 +16,10 @@ import orjson
 
 from .lifespan import ASGI
 
+# An ASGI extension of this server: ``scope["extensions"][SEND_NOWAIT](body) -> bool`` writes a
+# part of a started, streamed response without a coroutine (see _Cycle.send_body_nowait).
+SEND_NOWAIT = "kvgate.send_body_nowait"
+
 log = logging.getLogger("kvgate.http")
 
 _STATUS_LINES = {
@@ -104,6 +108,17 @@ class _Cycle:
             self._body(message.get("body", b""), message.get("more_body", False))
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r} (response started: {self.started})")
+
+    def send_body_nowait(self, body: bytes) -> bool:
+        """Write a part of a started, streamed response now, if that needs no wait: True when
+        written (or dropped: the client is gone), False when writes are paused (use ``send``)."""
+        conn = self.conn
+        if conn.closed or self.complete:
+            return True
+        if conn.write_paused is not None or not self.started:
+            return False
+        self._body(body, True)
+        return True
 
     def _start(self, status: int, headers) -> None:
         parts = [_status_line(status)]
@@ -282,6 +297,7 @@ class HttpConnection(asyncio.Protocol):
         expect = any(k == b"expect" and v.lower() == b"100-continue" for k, v in self._headers)
         keep_alive = parser.should_keep_alive() and not server.should_exit
         cycle = _Cycle(self, scope, keep_alive, expect)
+        scope["extensions"] = {SEND_NOWAIT: cycle.send_body_nowait}
         self.parsing = cycle
         if self.cycle is None:
             self._run(cycle)

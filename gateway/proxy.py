@@ -8,6 +8,7 @@ through untouched -> report the outcome (actual cached tokens from ``usage``) to
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -19,7 +20,7 @@ import httpx
 import orjson
 
 from policies.errors import NoReplicaError
-from policies.types import Decision, Outcome, RequestFeatures
+from policies.types import ClusterView, Decision, Outcome, RequestFeatures
 
 from . import fastclient as fc
 from .config import GatewayConfig
@@ -29,6 +30,7 @@ from .fastmetrics import Children, status_label
 from .features import parse_request
 from .kvhints import pull_hint_body
 from .metrics import GatewayMetrics
+from .relay import SSE_DONE, StreamRelay
 from .replicas import ReplicaPool
 from .upstream import (
     HOP_BY_HOP,
@@ -51,7 +53,6 @@ from .wire import (
 log = logging.getLogger("kvgate.access")
 
 RESPONSE_SKIP = RESPONSE_DROP | {b"x-request-id"}  # the gateway sets its own x-request-id
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(slots=True, eq=False)  # identity hash: a key of DisconnectWatch.pending
@@ -73,6 +74,7 @@ class _Exchange:
     finished: bool = False  # the response is complete: a disconnect no longer cancels
     error: KvgateError | None = None
     watcher: asyncio.Task | None = None  # started only for requests that run a while
+    view: ClusterView | None = None  # the snapshot decided on, until on_dispatch has seen it
 
 
 class Proxy:
@@ -168,7 +170,7 @@ class Proxy:
             parsed = parse_request(
                 kind, body, headers, session_header=self.session_header, chunk_bytes=self.cfg.chunk_bytes
             )
-            decision = self._decide(parsed.features)
+            decision, view = self._decide(parsed.features)
             if decision.pull_from is not None:  # migration hint -> kv_transfer_params
                 body = pull_hint_body(parsed.body, decision, self.pool) or body
         except KvgateError as exc:
@@ -177,23 +179,31 @@ class Proxy:
             return
         forward.append((b"x-request-id", request_id))
         ex = _Exchange(route, rid, request_id, parsed.features, decision, started)
+        ex.view = view
         self.in_flight += 1
         try:
             await self._forward(scope, receive, send, body, forward, ex)
         finally:
             self.in_flight -= 1
 
-    def _decide(self, features: RequestFeatures) -> Decision:
+    def _decide(self, features: RequestFeatures) -> tuple[Decision, ClusterView]:
         if not self.pool.knows_model(features.model):
             raise ModelNotFound(f"The model '{features.model}' does not exist", param="model")
         view = self.pool.snapshot(self.clock())
         try:
-            decision = self.policy.select(features, view)
+            return self.policy.select(features, view), view
         except NoReplicaError as exc:
             raise NoReplicaAvailable(str(exc)) from exc
-        self.policy.on_dispatch(features, decision, view)
-        self._m_decisions.get(self.policy_name, decision.reason, decision.replica).inc()
-        return decision
+
+    def _dispatched(self, ex: _Exchange) -> None:
+        """The policy's ``on_dispatch`` (index, sessions, shared state), once per request: called
+        by the upstream client as soon as the request is written (or before it first waits), so
+        it is off the time to first token and still ahead of any other request's ``select``."""
+        view, ex.view = ex.view, None
+        if view is not None:
+            decision = ex.decision
+            self.policy.on_dispatch(ex.features, decision, view)
+            self._m_decisions.get(self.policy_name, decision.reason, decision.replica).inc()
 
     # ------------------------------------------------------------------ forwarding
     async def _forward(self, scope, receive, send, body: bytes, headers, ex: _Exchange) -> None:
@@ -209,7 +219,7 @@ class Proxy:
                 ex.replica = ""  # every attempt already released its replica
                 return await self._fail(send, ex)
             try:
-                await self._relay(send, resp, ex)
+                await self._relay(send, resp, ex, scope)
             finally:
                 await resp.aclose()
         except asyncio.CancelledError:
@@ -229,6 +239,7 @@ class Proxy:
         candidates = ex.decision.candidates()[: self.cfg.max_retries + 1]
         qs = scope.get("query_string", b"")
         path = scope["path"] + ("?" + qs.decode("latin-1") if qs else "")
+        sent = functools.partial(self._dispatched, ex)
         for attempt, replica_id in enumerate(candidates):
             rep = self.pool.get(replica_id)
             if rep is None:
@@ -241,7 +252,9 @@ class Proxy:
             ex.replica = replica_id
             self.pool.begin(replica_id)
             try:
-                resp = await self.client.request("POST", rep.url, path, headers, body)
+                resp = await self.client.request(
+                    "POST", rep.url, path, headers, body, on_sent=sent
+                )
             except fc.HTTPError as exc:
                 self.pool.end(replica_id)
                 self._upstream_failed(replica_id, error_kind(exc))
@@ -272,7 +285,7 @@ class Proxy:
             (b"x-kvgate-attempts", b"%d" % ex.attempts),
         ]
 
-    async def _relay(self, send, resp: UpstreamResponse, ex: _Exchange) -> None:
+    async def _relay(self, send, resp: UpstreamResponse, ex: _Exchange, scope) -> None:
         ex.status = status = resp.status
         # One pass: drop hop-by-hop headers and the replica's x-request-id, note the two we need.
         headers = []
@@ -303,33 +316,13 @@ class Proxy:
                 ex.usage = usage_from_json(data)
             return
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        await self._relay_stream(send, resp, ex)
+        await self._relay_stream(send, resp, ex, scope)
 
-    async def _relay_stream(self, send, resp: UpstreamResponse, ex: _Exchange) -> None:
-        tail = b""
-        last = None
-        clock = self.clock
-        itl = self._m_itl.get(ex.route)
-        ended = False
+    async def _relay_stream(self, send, resp: UpstreamResponse, ex: _Exchange, scope) -> None:
+        relay = StreamRelay(resp, send, scope, ex, self.clock, self._m_itl.get(ex.route))
         self.open_streams += 1
         try:
-            while chunk := await resp.read_chunk():
-                now = clock()
-                if last is None:
-                    ex.ttft = now - ex.started
-                else:
-                    itl.observe(now - last)
-                last = now
-                tail = (tail + chunk)[-4096:] if tail else chunk[-4096:]
-                if resp.complete:  # the replica is done: end the client's stream in the same write
-                    ex.finished = ended = True
-                    await send({"type": "http.response.body", "body": chunk, "more_body": False})
-                    break
-                if tail.endswith(SSE_DONE):
-                    # The stream's logical end: clients (the openai SDK) hang up on [DONE] without
-                    # waiting for the replica's chunk terminator; that is no abort to cancel.
-                    ex.finished = True
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            ended = await relay.run()
         except fc.HTTPError as exc:
             self._upstream_failed(ex.replica, error_kind(exc))
             err = translate(exc, ex.replica)
@@ -344,7 +337,7 @@ class Proxy:
             ex.finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         ex.ok = resp.status < 400
-        ex.usage = usage_from_sse_tail(tail)
+        ex.usage = usage_from_sse_tail(relay.tail)
 
     def _upstream_failed(self, replica_id: str, kind: str) -> None:
         self._m_upstream_errors.get(replica_id, kind).inc()

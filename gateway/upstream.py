@@ -13,7 +13,7 @@ The health checker keeps using a plain ``httpx.AsyncClient`` (:func:`make_client
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import httpx
@@ -61,6 +61,7 @@ class UpstreamClient(Protocol):
     async def request(
         self, method: str, base_url: str, target: str = "",
         headers: Iterable[tuple[bytes, bytes]] = (), body: bytes = b"",
+        on_sent: Callable[[], None] | None = None,
     ) -> UpstreamResponse: ...
     async def aclose(self) -> None: ...
 
@@ -136,7 +137,10 @@ class HttpxUpstream:
     async def request(
         self, method: str, base_url: str, target: str = "",
         headers: Iterable[tuple[bytes, bytes]] = (), body: bytes = b"",
+        on_sent: Callable[[], None] | None = None,
     ) -> _HttpxResponse:
+        if on_sent is not None:
+            on_sent()
         try:
             req = self.client.build_request(method, base_url + target, headers=list(headers), content=body)
             resp = await self.client.send(req, stream=True)

@@ -118,6 +118,24 @@ async def sim_url():
     await group.stop()
 
 
+async def test_on_sent_runs_once_before_any_wait(client, sim_url):
+    """``on_sent`` (the proxy's policy bookkeeping) runs exactly once per request and before this
+    task lets another run: before connecting when no connection is idle, after the write when one is."""
+    seen: list[dict] = []
+
+    def sent() -> None:
+        stats = client.pool_stats()
+        seen.append(next(iter(stats.values())) if stats else {"open": 0, "idle": 0})
+
+    r = await client.request("POST", sim_url, CHAT, JSON, chat(), on_sent=sent)
+    await r.aread()
+    assert seen == [{"open": 0, "idle": 0}]  # no connection yet: called before connecting
+    r = await client.request("POST", sim_url, CHAT, JSON, chat(), on_sent=sent)
+    await r.aread()
+    assert seen[1] == {"open": 1, "idle": 0}  # the idle connection was taken and written to
+    assert len(seen) == 2
+
+
 async def test_sim_json_and_stream_reuse_one_connection(client, sim_url):
     r = await client.request("POST", sim_url, CHAT, JSON, chat())
     assert r.status == 200 and r.header(b"content-type") == b"application/json"
