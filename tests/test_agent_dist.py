@@ -65,6 +65,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             pre = t.fetch_sync(0, [keys[-1], 42, keys[-2]], prefix=True)
             result["fetched"] = {str(b.key): digest(b.tensor) for b in got}
             result["prefix"] = [str(b.key) for b in pre]
+            result["versions"] = sorted({repr(b.version) for b in got + pre})  # a plain store's
             result["stored"] = {str(k): digest(store.get(k)) for k in keys[: N_BLOCKS // 2]}
             try:
                 t.recv_blocks(0)
@@ -96,4 +97,5 @@ def test_gloo_push_and_fetch_between_two_processes(tmp_path):
     assert r1["fetched"] == {k: ref[k] for k in keys[N_BLOCKS // 2 :]}
     assert list(r1["fetched"]) == keys[N_BLOCKS // 2 :]
     assert r1["prefix"] == [keys[-1]]
+    assert r1["versions"] == ["Version(counter=0, writer='')"]  # unversioned: the lowest
     assert r1["corrupt"] == "1:12345"

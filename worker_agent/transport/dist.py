@@ -3,18 +3,27 @@
 The backend is a parameter: ``nccl`` between GPUs (payloads travel as CUDA tensors), ``gloo`` on
 CPUs (and in tests).  Messages between a pair of ranks, in order:
 
-* control: int64 tensor ``[op, count, flags, 0]`` (ops from ``framing.Op``)
+* control: int64 tensor ``[op, count, flags, body_len]`` (ops and the ``Frame`` it decodes to from
+  ``framing``; ``body_len`` is the size of the versions body, 0 when none)
 * FETCH: int64 tensor of ``count`` keys (uint64 bit patterns)
 * PUSH / BLOCKS: one uint8 tensor of ``count`` x 80-byte ``blockfmt`` headers (no checksum in
-  them), then each payload as a flat uint8 tensor (posted together with isend/irecv so the backend
-  pipelines them), then, for host payloads (control flag ``FLAG_TRAILER``), an int64 tensor of the
-  ``count`` xxh3_64 payload checksums.  Sending the checksums last lets the sender hash while the
-  backend transmits, and the receiver hashes block i while blocks i+1.. are still arriving.
+  them) followed by the ``body_len`` bytes of ``framing.pack_versions`` (each block's
+  ``Block.version``, as TCP frames carry them), then each payload as a flat uint8 tensor (posted
+  together with isend/irecv so the backend pipelines them), then, for host payloads (control flag
+  ``FLAG_TRAILER``), an int64 tensor of the ``count`` xxh3_64 payload checksums.  Sending the
+  checksums last lets the sender hash while the backend transmits, and the receiver hashes block i
+  while blocks i+1.. are still arriving.
 * ACK: the control tensor alone, ``count`` = blocks stored (PUSH) or sent (FETCH)
 
-CUDA payloads (NCCL) carry no checksum (computing one would need a device-to-host copy).  Collective calls block, so the async
-``fetch`` / ``push`` of ``BlockTransport`` run them in a worker thread; the peer rank must be in
-``serve_one`` (or the matching ``recv_blocks`` / ``send_blocks``) at the same time.
+Versions ride with the headers, so NCCL and gloo move them the same way (one metadata tensor on
+the backend's device).  Received blocks carry their version; ``serve_one`` exports and stores
+through the same ``export`` / ``accept`` hooks as ``TcpBlockServer`` (``base``): with a
+``VersionedBlocks`` the highest version wins and a stale copy is refused and counted, as over TCP.
+
+CUDA payloads (NCCL) carry no checksum (computing one would need a device-to-host copy).
+Collective calls block, so the async ``fetch`` / ``push`` of ``BlockTransport`` run them in a
+worker thread; the peer rank must be in ``serve_one`` (or the matching ``recv_blocks`` /
+``send_blocks``) at the same time.
 """
 
 from __future__ import annotations
@@ -37,7 +46,16 @@ from ..blockfmt import (
     tensor_from_payload,
 )
 from ..errors import ChecksumMismatch, ProtocolError
-from .framing import FLAG_PREFIX, Op
+from .base import Accept, Export, plain_accept, plain_export
+from .framing import (
+    FLAG_PREFIX,
+    MAX_BODY,
+    MAX_COUNT,
+    Frame,
+    Op,
+    pack_versions,
+    unpack_versions,
+)
 
 FLAG_TRAILER = 2  # control flag: a uint64 checksum per block follows the payloads
 
@@ -63,18 +81,21 @@ class DistTransport:
         self.verify = verify
 
     # -- messages ------------------------------------------------------------------------------
-    def _send_ctrl(self, dst: int, op: Op, count: int = 0, flags: int = 0) -> None:
-        ctrl = torch.tensor([int(op), count, flags, 0], dtype=torch.int64, device=self.device)
+    def _send_ctrl(self, dst: int, op: Op, count: int = 0, flags: int = 0, body: int = 0) -> None:
+        ctrl = torch.tensor([int(op), count, flags, body], dtype=torch.int64, device=self.device)
         dist.send(ctrl, dst, group=self.group)
 
-    def _recv_ctrl(self, src: int) -> tuple[Op, int, int]:
+    def _recv_ctrl(self, src: int) -> Frame:
         ctrl = torch.empty(4, dtype=torch.int64, device=self.device)
         dist.recv(ctrl, src, group=self.group)
-        op, count, flags, _ = ctrl.tolist()
+        op, count, flags, body = ctrl.tolist()
         try:
-            return Op(op), count, flags
+            kind = Op(op)
         except ValueError:
             raise ProtocolError(f"unknown op {op} from rank {src}") from None
+        if not (0 <= count <= MAX_COUNT and 0 <= body <= MAX_BODY):
+            raise ProtocolError(f"bad control from rank {src}: count={count}, body={body}")
+        return Frame(kind, count, body, flags)
 
     def _payload(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -84,13 +105,15 @@ class DistTransport:
     def send_blocks(self, dst: int, blocks: Sequence[Block], op: Op = Op.PUSH) -> None:
         payloads = [self._payload(b.tensor) for b in blocks]
         trailer = self.device.type == "cpu"
-        headers = bytearray()
+        meta = bytearray()
         for block in blocks:
-            headers += header_for(block.key, block.tensor, parent=block.parent).pack()
-        self._send_ctrl(dst, op, len(blocks), FLAG_TRAILER if trailer else 0)
+            meta += header_for(block.key, block.tensor, parent=block.parent).pack()
+        versions = pack_versions([b.version for b in blocks])
+        meta += versions
+        self._send_ctrl(dst, op, len(blocks), FLAG_TRAILER if trailer else 0, len(versions))
         if not blocks:
             return
-        head = torch.frombuffer(headers, dtype=torch.uint8).to(self.device)
+        head = torch.frombuffer(meta, dtype=torch.uint8).to(self.device)
         dist.send(head, dst, group=self.group)
         works = [dist.isend(p, dst, group=self.group) if p.numel() else None for p in payloads]
         if trailer:  # hash while the backend is sending; checksums follow the payloads
@@ -105,13 +128,16 @@ class DistTransport:
             as_i64 = np.array(sums, dtype=np.uint64).view(np.int64)
             dist.send(torch.from_numpy(as_i64), dst, group=self.group)
 
-    def _recv_payloads(self, src: int, count: int, flags: int) -> list[Block]:
+    def _recv_payloads(self, src: int, frame: Frame) -> list[Block]:
+        count, flags = frame.count, frame.flags
         if count == 0:
             return []
-        head = torch.empty(count * HEADER_SIZE, dtype=torch.uint8, device=self.device)
+        size = count * HEADER_SIZE
+        head = torch.empty(size + frame.body_len, dtype=torch.uint8, device=self.device)
         dist.recv(head, src, group=self.group)
         raw = memoryview(head.cpu().numpy())
         headers = [BlockHeader.unpack(raw[i * HEADER_SIZE :]) for i in range(count)]
+        versions = unpack_versions(raw[size:], count)
         bufs = [torch.empty(h.nbytes, dtype=torch.uint8, device=self.device) for h in headers]
         works = [dist.irecv(b, src, group=self.group) if b.numel() else None for b in bufs]
         check = bool(flags & FLAG_TRAILER) and self.verify
@@ -132,15 +158,15 @@ class DistTransport:
             if check:
                 sums = expected
         return [
-            Block(h.key, tensor_from_payload(h, b), h.parent, c)
-            for h, b, c in zip(headers, bufs, sums, strict=True)
+            Block(h.key, tensor_from_payload(h, b), h.parent, c, v)
+            for h, b, c, v in zip(headers, bufs, sums, versions, strict=True)
         ]
 
     def recv_blocks(self, src: int) -> list[Block]:
-        op, count, flags = self._recv_ctrl(src)
-        if op not in (Op.PUSH, Op.BLOCKS):
-            raise ProtocolError(f"expected blocks from rank {src}, got {op.name}")
-        return self._recv_payloads(src, count, flags)
+        frame = self._recv_ctrl(src)
+        if frame.op not in (Op.PUSH, Op.BLOCKS):
+            raise ProtocolError(f"expected blocks from rank {src}, got {frame.op.name}")
+        return self._recv_payloads(src, frame)
 
     # -- request / response ----------------------------------------------------------------------
     def fetch_sync(self, peer: int, keys: Sequence[int], *, prefix: bool = False) -> list[Block]:
@@ -152,39 +178,42 @@ class DistTransport:
 
     def push_sync(self, peer: int, blocks: Sequence[Block]) -> int:
         self.send_blocks(peer, blocks, Op.PUSH)
-        op, count, _ = self._recv_ctrl(peer)
-        if op is not Op.ACK:
-            raise ProtocolError(f"expected ACK from rank {peer}, got {op.name}")
-        return count
+        frame = self._recv_ctrl(peer)
+        if frame.op is not Op.ACK:
+            raise ProtocolError(f"expected ACK from rank {peer}, got {frame.op.name}")
+        return frame.count
 
-    def serve_one(self, peer: int, store) -> Op:
-        """Handle one request from ``peer`` against ``store``; returns the request's op."""
-        op, count, flags = self._recv_ctrl(peer)
-        if op is Op.FETCH:
-            keys_t = torch.empty(count, dtype=torch.int64, device=self.device)
-            if count:
+    def serve_one(
+        self, peer: int, store, *, export: Export | None = None, accept: Accept | None = None
+    ) -> Op:
+        """Handle one request from ``peer`` against ``store``; returns the request's op.
+
+        ``export`` / ``accept``: the store hooks of ``base`` (as ``TcpBlockServer`` takes them;
+        a ``VersionedBlocks``' for replication), by default ``plain_export`` / ``plain_accept``."""
+        export = export or plain_export(store)
+        accept = accept or plain_accept(store)
+        frame = self._recv_ctrl(peer)
+        if frame.op is Op.FETCH:
+            keys_t = torch.empty(frame.count, dtype=torch.int64, device=self.device)
+            if frame.count:
                 dist.recv(keys_t, peer, group=self.group)
             keys = keys_t.cpu().numpy().view(np.uint64).tolist()
             blocks = []
             for key in keys:
-                item = store.export(key)
+                item = export(key)
                 if item is None:
-                    if flags & FLAG_PREFIX:
+                    if frame.flags & FLAG_PREFIX:
                         break
                     continue
-                header, host = item
-                blocks.append(Block(key, host, header.parent, header.checksum))
+                header, host, version = item
+                blocks.append(Block(key, host, header.parent, header.checksum, version))
             self.send_blocks(peer, blocks, Op.BLOCKS)
-        elif op is Op.PUSH:
-            blocks = self._recv_payloads(peer, count, flags)
-            stored = sum(
-                store.put(b.key, b.tensor, parent=b.parent, copy=False, checksum=b.checksum)
-                for b in blocks
-            )
+        elif frame.op is Op.PUSH:
+            stored = accept(self._recv_payloads(peer, frame))
             self._send_ctrl(peer, Op.ACK, stored)
         else:
-            raise ProtocolError(f"unexpected {op.name} request from rank {peer}")
-        return op
+            raise ProtocolError(f"unexpected {frame.op.name} request from rank {peer}")
+        return frame.op
 
     # -- BlockTransport ----------------------------------------------------------------------------
     async def fetch(self, peer: int, keys: Sequence[int], *, prefix: bool = False) -> list[Block]:

@@ -10,9 +10,9 @@ waits for writability before continuing.  Every exchange runs under a timeout; a
 failed or timed out is closed, never reused.
 
 Versions (``framing``): blocks travel with their ``Block.version``.  The server exports through its
-``export(key) -> (header, tensor, version) | None`` callable (default: ``store.export``, no
-version) and hands pushed blocks, versions attached, to its ``accept(blocks) -> stored`` callable
-(default: plain ``store.put``), which decides what a copy may overwrite.
+``export`` hook and hands pushed blocks, versions attached, to its ``accept`` hook, which decides
+what a copy may overwrite (``base``: the same hooks as ``DistTransport.serve_one``; by default
+``plain_export`` / ``plain_accept``, unversioned).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from ..errors import (
     RemoteError,
     TransferTimeout,
 )
+from .base import plain_accept, plain_export
 from .framing import (
     FLAG_PREFIX,
     Frame,
@@ -208,8 +209,8 @@ class TcpBlockServer:
         self.store = store
         self.unix_path = unix_path  # also listen here (AF_UNIX): the engine-local connector's way in
         self._unix: socket.socket | None = None
-        self.export = export or self._export
-        self.accept = accept or self._store_blocks
+        self.export = export or plain_export(store)
+        self.accept = accept or plain_accept(store)
         self.recv_chunk = recv_chunk
         self.host, self._port = host, port
         self.timeout = timeout
@@ -293,10 +294,6 @@ class TcpBlockServer:
             await stream.sendv([error_message(f"unexpected {frame.op.name}")])
             raise ProtocolError(f"unexpected {frame.op.name} from a client")
 
-    def _export(self, key: int):
-        item = self.store.export(key)
-        return None if item is None else (*item, None)
-
     def _export_chunk(self, keys: Sequence[int], start: int, prefix: bool):
         items, size, i = [], 0, start
         while i < len(keys) and size < self.chunk_bytes:
@@ -333,12 +330,6 @@ class TcpBlockServer:
             if ahead is not None:
                 ahead.cancel()
         await stream.sendv([pack_frame(Op.ACK, total)])
-
-    def _store_blocks(self, blocks: list[Block]) -> int:
-        return sum(
-            self.store.put(b.key, b.tensor, parent=b.parent, copy=False, checksum=b.checksum)
-            for b in blocks
-        )
 
     async def _accept_push(self, stream: SocketStream, versions: list) -> None:
         """Receive and store chunk by chunk; a chunk is stored (a thread: it may demote to disk)
