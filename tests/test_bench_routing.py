@@ -53,7 +53,7 @@ def test_bench_routing_end_to_end(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "bench", "routing", "--workloads", "shared_prefix",
          "--targets", "kvgate/round_robin,oracle", "--scale", "0.05", "--replicas", "2",
-         "--decode-ms-per-token", "1", "--out", str(out)],
+         "--decode-ms-per-token", "1", "--rounds", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -61,11 +61,32 @@ def test_bench_routing_end_to_end(tmp_path):
     data = json.loads((out / "routing.json").read_text())
     rows = {r["target"]: r for r in data["rows"]}
     assert set(rows) == {"kvgate/round_robin", "oracle"}
-    for r in rows.values():
-        assert r["failures"] == 0 and r["requests"] == expected and sum(r["per_replica"]) == expected
+    for r in rows.values():  # two rounds: each row sums both runs' requests
+        assert r["failures"] == 0 and r["requests"] == 2 * expected and sum(r["per_replica"]) == expected
         assert 0 < r["hit_rate"] <= r["ideal_hit_rate"] + 1e-9
     assert rows["oracle"]["hit_rate"] >= rows["kvgate/round_robin"]["hit_rate"]
-    assert "| shared_prefix | oracle" in (out / "routing.md").read_text()
+    assert sorted((r["target"], r["round"]) for r in data["runs"]) == [
+        ("kvgate/round_robin", 0), ("kvgate/round_robin", 1), ("oracle", 0), ("oracle", 1)]
+    md = (out / "routing.md").read_text()
+    assert "| shared_prefix | oracle" in md and "median of 2 rounds" in md
+
+
+def test_rounds_rotate_the_order_and_report_medians():
+    from gateway.bench.routing import Row, median_row, rotated
+
+    names = ["a", "b", "c"]
+    assert [rotated(names, r)[0] for r in range(3)] == ["a", "b", "c"]  # each starts a round once
+    assert rotated(names, 4) == ["b", "c", "a"] and sorted(rotated(names, 2)) == names
+
+    def row(p50: float, p99: float, failures: int = 0) -> Row:
+        return Row("w", "t", 10, failures, p50 / 100, 0.9, p50, p99, 2 * p50, 2 * p99, 5.0, 1.0,
+                   [int(p99), 10 - int(p99)])
+
+    m = median_row([row(10, 3), row(30, 9), row(20, 1, failures=2)])
+    assert (m.ttft_p50_ms, m.ttft_p99_ms, m.e2e_p99_ms, m.hit_rate) == (20, 3, 6, 0.2)
+    assert (m.requests, m.failures, m.per_replica) == (30, 2, [3, 7])  # the median-p99 run's split
+    one = row(5, 5)
+    assert median_row([one]) is one
 
 
 def test_hot_prefix_workload_ramps_one_document_up_to_its_share():

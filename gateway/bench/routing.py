@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-fraction", type=float, default=1 / 3,
                    help="per-replica cache as a fraction of the workload's distinct blocks")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="replay every workload this many times per target, targets in a rotated order "
+                        "each round; the table reports each metric's median over the rounds")
     p.add_argument("--out", default="bench-results", help="folder for routing.md/json/png")
     p.add_argument("--readme", default=None, help="README to update between bench:routing markers")
 
@@ -188,6 +192,37 @@ def run_target(name: str, workload: Workload, urls: list[str], sim_args: dict, i
     return summarize(workload, name, results, wall, per_replica, ideal)
 
 
+def rotated(targets: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: each target starts a round once in every len(targets) rounds, so none
+    always follows the same one (or always runs first on freshly started replicas)."""
+    k = r % len(targets) if targets else 0
+    return targets[k:] + targets[:k]
+
+
+def median_row(runs: list[Row]) -> Row:
+    """One row for several runs of a target: the median of every measured figure, failures and
+    requests summed, per-replica counts of the run with the median TTFT p99."""
+    if len(runs) == 1:
+        return runs[0]
+    med = statistics.median
+    by_p99 = sorted(runs, key=lambda r: r.ttft_p99_ms)[(len(runs) - 1) // 2]
+    return Row(
+        runs[0].workload, runs[0].target, sum(r.requests for r in runs), sum(r.failures for r in runs),
+        med(r.hit_rate for r in runs), runs[0].ideal_hit_rate, med(r.ttft_p50_ms for r in runs),
+        med(r.ttft_p99_ms for r in runs), med(r.e2e_p50_ms for r in runs), med(r.e2e_p99_ms for r in runs),
+        med(r.throughput_rps for r in runs), med(r.max_over_mean_load for r in runs), by_p99.per_replica,
+    )
+
+
+def warm_up(workload: Workload, urls: list[str]) -> None:
+    """Replay the first requests straight to the replicas (then reset them): the first measured
+    target must not pay for the simulator's own start (imports, first allocations)."""
+    head = Workload(workload.name, workload.requests[: max(1, len(workload.requests) // 10)],
+                    model=workload.model, params=workload.params)
+    asyncio.run(run_workload(head, oracle_route(urls)))
+    _reset(urls)
+
+
 def _scaled(name: str, scale: float) -> Workload:
     factory = WORKLOADS[name]
     w = factory()
@@ -204,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
                     max_running=args.max_running, kv_bandwidth_gbps=args.kv_bandwidth_gbps,
                     kv_block_bytes=args.kv_block_bytes)
     log_dir = os.path.join(args.out, "logs")
+    all_runs: list[dict] = []
     for wname in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         if wname not in WORKLOADS:
             raise SystemExit(f"unknown workload {wname!r}; known: {sorted(WORKLOADS)}")
@@ -223,10 +259,15 @@ def run(args: argparse.Namespace) -> int:
               f"ideal hit rate {fp.ideal_hit_rate:.1%}, {fp.distinct_blocks} distinct blocks, "
               f"{cache_blocks} cached blocks per replica", file=sys.stderr)
         with sims.start(timeout=60, log_dir=log_dir):
-            for name in targets:
-                rows.append(run_target(name, workload, urls, sim_args, fp.ideal_hit_rate, log_dir))
-        write_report(rows, args, final=False)  # keep what was measured if a later workload fails
-    write_report(rows, args)
+            warm_up(workload, urls)
+            runs: dict[str, list[Row]] = {name: [] for name in targets}
+            for r in range(max(1, args.rounds)):
+                for name in rotated(targets, r):
+                    runs[name].append(run_target(name, workload, urls, sim_args, fp.ideal_hit_rate, log_dir))
+            rows += [median_row(runs[name]) for name in targets]
+            all_runs.extend(asdict(row) | {"round": i} for name in targets for i, row in enumerate(runs[name]))
+        write_report(rows, args, final=False, runs=all_runs)  # keep what was measured so far
+    write_report(rows, args, runs=all_runs)
     return 0
 
 
@@ -240,19 +281,20 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
              f"{r.throughput_rps:.1f}", f"{r.max_over_mean_load:.2f}", str(r.failures)] for r in rows]
 
 
-def write_report(rows: list[Row], args: argparse.Namespace, final: bool = True) -> None:
+def write_report(rows: list[Row], args: argparse.Namespace, final: bool = True,
+                 runs: list[dict] | None = None) -> None:
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     setup = (f"{args.replicas} simulated replicas, {args.prefill_ms_per_token} ms/prefill token, "
              f"{args.decode_ms_per_token} ms/decode token, {args.max_running} running, cache per replica = "
-             f"{args.cache_fraction:.2f} of the workload's distinct blocks; {stamp}")
+             f"{args.cache_fraction:.2f} of the workload's distinct blocks; {_rounds_note(args)}{stamp}")
     md = f"Routing quality ({setup}):\n\n" + markdown_table(HEADERS, table_rows(rows)) + "\n"
     if final:
         print(md)
     with open(os.path.join(args.out, "routing.md"), "w") as fh:
         fh.write(md)
     with open(os.path.join(args.out, "routing.json"), "w") as fh:
-        json.dump({"setup": setup, "rows": [asdict(r) for r in rows]}, fh, indent=2)
+        json.dump({"setup": setup, "rows": [asdict(r) for r in rows], "runs": runs or []}, fh, indent=2)
     png = os.path.join(args.out, "routing.png")
     if plot(rows, png):
         if args.readme and final:  # the README's picture lives in the repository, not in --out
@@ -263,6 +305,11 @@ def write_report(rows: list[Row], args: argparse.Namespace, final: bool = True) 
         md += f"\n![routing benchmark]({png})\n"
     if args.readme and final:
         replace_block(args.readme, "routing", md)
+
+
+def _rounds_note(args: argparse.Namespace) -> str:
+    n = max(1, getattr(args, "rounds", 1))
+    return f"median of {n} rounds, targets in a rotated order each round; " if n > 1 else ""
 
 
 def plot(rows: list[Row], path: str) -> bool:
