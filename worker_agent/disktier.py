@@ -12,10 +12,16 @@ blocks, rename 95 GB/s).  So a block leaving the tier is renamed to a spare file
 ``spare_bytes`` (beyond ``capacity``), and the next block stored overwrites a spare of its size in
 place (``pwritev`` of header and payload, one call) before the rename.  ``close`` unlinks spares.
 
-Reads.  ``load`` reads header and payload with ``preadv`` straight into the destination tensor in
-``READ_CHUNK`` pieces, hashing each while it is still in cache (one checksum pass, no copy).
-O_DIRECT is not used: it bypasses the page cache these moves are measured against, needs
-page-aligned buffers, and the header's 80 bytes would misalign every payload.
+Reads.  ``load`` reads header and payload with ``preadv`` straight into a tensor of the block's
+dtype and shape, then hashes the payload while it is still in cache (one checksum pass, no copy);
+payloads above ``READ_CHUNK`` are read and hashed in pieces of that size, so each piece is hashed
+from cache rather than memory.  The tier keeps every held block's header (the 80 bytes it wrote,
+or found when it scanned the directory): the file's header must equal them byte for byte, which
+spares parsing it on every read and still catches a file that holds another block.  All of it
+runs on the calling thread: a helper thread hashing behind the reads was measured and lost here
+(see the README's KV transfers section).  O_DIRECT is not used: it bypasses the page cache these
+moves are measured against, needs page-aligned buffers, and the header's 80 bytes would misalign
+every payload.
 """
 
 from __future__ import annotations
@@ -23,15 +29,23 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import xxhash
 
-from .blockfmt import HEADER_SIZE, BlockHeader, checksum, header_for, payload_view
+from .blockfmt import HEADER_SIZE, BlockHeader, byte_view, checksum, header_for
 from .errors import BlockFormatError, ChecksumMismatch
 from .tiers import BlockMeta, cuda_available
 
 DEFAULT_SPARE_BYTES = 4 << 30
+
+
+class _Head(NamedTuple):
+    """A held block's header: the bytes its file starts with, and what they say."""
+
+    raw: bytes
+    header: BlockHeader
 
 
 class SparePool:
@@ -81,7 +95,7 @@ class DiskTier:
     medium = "DISK"
     overhead = HEADER_SIZE
     SUFFIX = ".kvb"
-    READ_CHUNK = 256 << 10
+    READ_CHUNK = 1 << 20
 
     def __init__(
         self,
@@ -103,14 +117,14 @@ class DiskTier:
             spare_bytes = min(self.capacity // 4, DEFAULT_SPARE_BYTES)
         self.spares = SparePool(spare_bytes)
         self._dir = str(self.directory)
-        self._sizes: dict[int, int] = {}  # key -> file size
+        self._heads: dict[int, _Head] = {}  # key -> the header its file starts with
         self._ids = itertools.count()
 
     def __contains__(self, key: int) -> bool:
-        return key in self._sizes
+        return key in self._heads
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return len(self._heads)
 
     def path(self, key: int) -> Path:
         return Path(self._file(key))
@@ -123,7 +137,7 @@ class DiskTier:
 
     def scan(self) -> list[tuple[int, int, int | None]]:
         """(key, payload bytes, parent) of the valid blocks found, oldest first; drops debris."""
-        found: list[tuple[float, int, int, int | None]] = []
+        found: list[tuple[float, int, _Head]] = []
         for entry in os.scandir(self.directory):
             if entry.name.endswith((".tmp", ".spare")):
                 _unlink_quietly(entry.path)  # an interrupted write or a previous run's spare
@@ -132,7 +146,8 @@ class DiskTier:
                 continue
             try:
                 with open(entry.path, "rb") as f:
-                    header = BlockHeader.unpack(f.read(HEADER_SIZE))
+                    raw = f.read(HEADER_SIZE)
+                header = BlockHeader.unpack(raw)
                 st = entry.stat()
                 if (
                     st.st_size != HEADER_SIZE + header.nbytes
@@ -142,22 +157,24 @@ class DiskTier:
             except (OSError, BlockFormatError):
                 _unlink_quietly(entry.path)
                 continue
-            found.append((st.st_mtime, header.key, header.nbytes, header.parent))
-        found.sort()
-        self._sizes.update((k, HEADER_SIZE + n) for _, k, n, _ in found)
-        return [(k, n, p) for _, k, n, p in found]
+            found.append((st.st_mtime, header.key, _Head(raw, header)))
+        found.sort(key=lambda f: f[:2])
+        self._heads.update((k, head) for _, k, head in found)
+        return [(k, h.header.nbytes, h.header.parent) for _, k, h in found]
 
     def held(self) -> tuple[int, int]:
-        sizes = [os.stat(self.path(k)).st_size for k in self._sizes]
+        sizes = [os.stat(self.path(k)).st_size for k in self._heads]
         return len(sizes), sum(sizes)
 
     def store(self, key: int, tensor: torch.Tensor, meta: BlockMeta, *, owned: bool) -> None:
         host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
-        host = host.contiguous()
-        view = payload_view(host)
+        if not host.is_contiguous():
+            host = host.contiguous()
+        view = _bytes_of(host)
         if meta.checksum is None:
             meta.checksum = checksum(view)
-        header = header_for(key, host, parent=meta.parent, csum=meta.checksum).pack()
+        header = header_for(key, host, parent=meta.parent, csum=meta.checksum)
+        raw = header.pack()
         size = HEADER_SIZE + len(view)
         spare = self.spares.take(size)
         if spare is None:
@@ -166,7 +183,7 @@ class DiskTier:
         else:
             (where, old), fd = spare, os.open(spare[0], os.O_WRONLY | os.O_CLOEXEC)
         try:
-            _pwrite_all(fd, [memoryview(header), view])
+            _pwrite_all(fd, [memoryview(raw), view])
             if old > size:
                 os.ftruncate(fd, size)
             if self.fsync:
@@ -177,32 +194,31 @@ class DiskTier:
             raise
         os.close(fd)
         os.replace(where, self._file(key))
-        self._sizes[key] = size
+        self._heads[key] = _Head(raw, header)
 
     def load(self, key: int, *, host: bool = True) -> torch.Tensor:
         """Read and (unless ``verify=False``) verify the block; raises OSError, BlockFormatError."""
-        # the size is known (no fstat): a shorter file fails the read, a changed one its checks
-        nbytes = self._sizes[key] - HEADER_SIZE
+        # the header is known (written or scanned here): the file's must be the same 80 bytes,
+        # so no parsing; a shorter file fails the read, a changed one these checks
+        raw, header = self._heads[key]
         fd = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
         try:
             head = bytearray(HEADER_SIZE)
-            data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-            hasher = xxhash.xxh3_64() if self.verify else None
-            _pread_all(fd, memoryview(head), memoryview(data.numpy()), self.READ_CHUNK, hasher)
+            data = torch.empty(header.shape, dtype=header.dtype, pin_memory=self.pinned)
+            digest = _read_block(fd, head, _bytes_of(data), self.READ_CHUNK, self.verify)
         finally:
             os.close(fd)
-        header = BlockHeader.unpack(head)
-        if header.key != key or header.nbytes != nbytes:
-            raise BlockFormatError(f"file for {key:016x} holds another block or has a bad size")
-        if hasher is not None and header.checksum is not None:
-            if hasher.intdigest() != header.checksum:
-                raise ChecksumMismatch(key, header.checksum, hasher.intdigest())
-        return data.view(header.dtype).view(header.shape)
+        if head != raw:
+            raise BlockFormatError(f"file for {key:016x} holds another header than it was given")
+        if digest is not None and header.checksum is not None and digest != header.checksum:
+            raise ChecksumMismatch(key, header.checksum, digest)
+        return data
 
     def delete(self, key: int) -> None:
-        size = self._sizes.pop(key, None)
-        if size is None:
+        head = self._heads.pop(key, None)
+        if head is None:
             return
+        size = HEADER_SIZE + head.header.nbytes
         path = self._file(key)
         try:
             if not self.spares.give(path, size, self._scratch(".spare")):
@@ -213,6 +229,17 @@ class DiskTier:
     def close(self) -> None:
         """Unlink the spare files; the blocks stay for a reopen."""
         self.spares.clear()
+
+
+_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8})
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A 1-D byte view of a contiguous host tensor, as ``blockfmt.payload_view`` but with fewer
+    torch calls where numpy knows the dtype (each costs microseconds when caches are cold)."""
+    if tensor.dtype in _NUMPY_DTYPES and tensor.numel():
+        return memoryview(tensor.numpy()).cast("B")
+    return memoryview(byte_view(tensor).numpy())
 
 
 def _unlink_quietly(path: str | os.PathLike) -> None:
@@ -236,20 +263,33 @@ def _pwrite_all(fd: int, bufs: list[memoryview]) -> None:
                 n = 0
 
 
-def _pread_all(fd: int, head: memoryview, view: memoryview, step: int, hasher) -> None:
-    """Fill ``head`` then ``view`` from offset 0, ``step`` payload bytes per call, feeding
-    ``hasher`` each piece as it lands (``hasher=None``: the whole payload in one call)."""
-    step = step if hasher is not None else max(1, len(view))
-    got = os.preadv(fd, [head, view[:step]], 0)
-    if got < len(head):
-        raise BlockFormatError("block file is truncated")
-    pos = got - len(head)
-    if hasher is not None:
-        hasher.update(view[:pos])
-    while pos < len(view):
-        n = os.preadv(fd, [view[pos : pos + step]], len(head) + pos)
+def _read_block(fd: int, head: bytearray, view: memoryview, step: int, verify: bool) -> int | None:
+    """Fill ``head`` then ``view`` from offset 0; returns the payload's xxh3_64 (None unless
+    ``verify``).  Up to ``step`` bytes: one ``preadv`` and one hash of the payload while it is
+    still in cache; larger payloads in ``step`` pieces, each hashed as it lands."""
+    if len(view) <= step or not verify:
+        _pread_into(fd, [memoryview(head), view], 0)
+        return checksum(view) if verify else None
+    hasher = xxhash.xxh3_64()
+    _pread_into(fd, [memoryview(head), view[:step]], 0)
+    hasher.update(view[:step])
+    for pos in range(step, len(view), step):
+        piece = view[pos : pos + step]
+        _pread_into(fd, [piece], HEADER_SIZE + pos)
+        hasher.update(piece)
+    return hasher.intdigest()
+
+
+def _pread_into(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """Fill ``bufs`` back to back from ``offset`` (one ``preadv`` unless the kernel stops short,
+    which for a regular file means its end: BlockFormatError)."""
+    bufs = [b for b in bufs if len(b)]
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
         if n == 0:
             raise BlockFormatError("block file is truncated")
-        if hasher is not None:
-            hasher.update(view[pos : pos + n])
-        pos += n
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs.pop(0))
+        if n:
+            bufs[0] = bufs[0][n:]
