@@ -99,3 +99,53 @@ def test_gloo_push_and_fetch_between_two_processes(tmp_path):
     assert r1["prefix"] == [keys[-1]]
     assert r1["versions"] == ["Version(counter=0, writer='')"]  # unversioned: the lowest
     assert r1["corrupt"] == "1:12345"
+
+
+def _corrupt_push_worker(rank: int, port: int, out_dir: str) -> None:
+    from worker_agent.blockfmt import Block
+    from worker_agent.errors import ChecksumMismatch, RemoteError
+    from worker_agent.store import KVBlockStore
+    from worker_agent.transport.dist import DistTransport, init_process_group
+
+    init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, 2, timeout_s=30)
+    try:
+        ref = reference_blocks()
+        keys = list(ref)
+        t = DistTransport()
+        result: dict = {}
+        if rank == 0:
+            try:  # a wrong checksum: refused with an answer, not left waiting for a timeout
+                t.push_sync(1, [Block(keys[0], ref[keys[0]], checksum=12345)])
+                result["bad"] = "accepted"
+            except RemoteError as exc:
+                result["bad"] = str(exc)
+            result["good"] = t.push_sync(1, [Block(k, ref[k]) for k in keys[1:4]])  # still in step
+        else:
+            store = KVBlockStore.create(gpu_bytes=1 << 24, cpu_bytes=1 << 24, gpu_device="cpu")
+            try:
+                t.serve_one(0, store)
+                result["served"] = "no error"
+            except ChecksumMismatch as exc:
+                result["served"] = f"{exc.key}:{exc.expected}"
+            result["after_bad"] = len(store)
+            assert t.serve_one(0, store).name == "PUSH"
+            result["stored"] = {str(k): digest(store.get(k)) for k in keys[1:4]}
+            result["has_bad"] = store.get(keys[0]) is not None
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_push_with_a_bad_checksum_is_refused_with_an_answer(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_corrupt_push_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    ref = {str(k): digest(t) for k, t in reference_blocks().items()}
+    keys = list(ref)
+    assert "push refused" in r0["bad"] and "checksum" in r0["bad"].lower()
+    assert r1["served"] == f"{keys[0]}:12345"
+    assert r1["after_bad"] == 0 and r1["has_bad"] is False  # nothing of the bad push stored
+    assert r0["good"] == 3 and r1["stored"] == {k: ref[k] for k in keys[1:4]}

@@ -14,6 +14,8 @@ CPUs (and in tests).  Messages between a pair of ranks, in order:
   checksums last lets the sender hash while the backend transmits, and the receiver hashes block i
   while blocks i+1.. are still arriving.
 * ACK: the control tensor alone, ``count`` = blocks stored (PUSH) or sent (FETCH)
+* ERROR: the control tensor with ``body_len`` bytes of UTF-8 text following (a PUSH whose
+  checksums did not match: the server has read every message of it, so the pair stays in step)
 
 Versions ride with the headers, so NCCL and gloo move them the same way (one metadata tensor on
 the backend's device).  Received blocks carry their version; ``serve_one`` exports and stores
@@ -45,7 +47,7 @@ from ..blockfmt import (
     header_for,
     tensor_from_payload,
 )
-from ..errors import ChecksumMismatch, ProtocolError
+from ..errors import ChecksumMismatch, ProtocolError, RemoteError
 from .base import Accept, Export, plain_accept, plain_export
 from .framing import (
     FLAG_PREFIX,
@@ -96,6 +98,19 @@ class DistTransport:
         if not (0 <= count <= MAX_COUNT and 0 <= body <= MAX_BODY):
             raise ProtocolError(f"bad control from rank {src}: count={count}, body={body}")
         return Frame(kind, count, body, flags)
+
+    def _send_error(self, dst: int, message: str) -> None:
+        data = message.encode()[:MAX_BODY]
+        self._send_ctrl(dst, Op.ERROR, 0, 0, len(data))
+        if data:
+            text = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            dist.send(text, dst, group=self.group)
+
+    def _raise_error(self, src: int, frame: Frame) -> None:
+        text = torch.empty(frame.body_len, dtype=torch.uint8, device=self.device)
+        if frame.body_len:
+            dist.recv(text, src, group=self.group)
+        raise RemoteError(bytes(text.cpu().numpy()).decode(errors="replace"))
 
     def _payload(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -164,6 +179,8 @@ class DistTransport:
 
     def recv_blocks(self, src: int) -> list[Block]:
         frame = self._recv_ctrl(src)
+        if frame.op is Op.ERROR:
+            self._raise_error(src, frame)
         if frame.op not in (Op.PUSH, Op.BLOCKS):
             raise ProtocolError(f"expected blocks from rank {src}, got {frame.op.name}")
         return self._recv_payloads(src, frame)
@@ -179,6 +196,8 @@ class DistTransport:
     def push_sync(self, peer: int, blocks: Sequence[Block]) -> int:
         self.send_blocks(peer, blocks, Op.PUSH)
         frame = self._recv_ctrl(peer)
+        if frame.op is Op.ERROR:  # e.g. a checksum the server did not match: RemoteError
+            self._raise_error(peer, frame)
         if frame.op is not Op.ACK:
             raise ProtocolError(f"expected ACK from rank {peer}, got {frame.op.name}")
         return frame.count
@@ -189,7 +208,10 @@ class DistTransport:
         """Handle one request from ``peer`` against ``store``; returns the request's op.
 
         ``export`` / ``accept``: the store hooks of ``base`` (as ``TcpBlockServer`` takes them;
-        a ``VersionedBlocks``' for replication), by default ``plain_export`` / ``plain_accept``."""
+        a ``VersionedBlocks``' for replication), by default ``plain_export`` / ``plain_accept``.
+        A PUSH whose checksums do not match stores nothing: the pusher gets an ERROR (its
+        ``push`` raises ``RemoteError``) and this raises ``ChecksumMismatch``, after which the
+        pair is still in step and ``serve_one`` can be called again."""
         export = export or plain_export(store)
         accept = accept or plain_accept(store)
         frame = self._recv_ctrl(peer)
@@ -209,8 +231,12 @@ class DistTransport:
                 blocks.append(Block(key, host, header.parent, header.checksum, version))
             self.send_blocks(peer, blocks, Op.BLOCKS)
         elif frame.op is Op.PUSH:
-            stored = accept(self._recv_payloads(peer, frame))
-            self._send_ctrl(peer, Op.ACK, stored)
+            try:
+                blocks = self._recv_payloads(peer, frame)
+            except ChecksumMismatch as exc:
+                self._send_error(peer, f"push refused: {exc}")
+                raise
+            self._send_ctrl(peer, Op.ACK, accept(blocks))
         else:
             raise ProtocolError(f"unexpected {frame.op.name} request from rank {peer}")
         return frame.op
