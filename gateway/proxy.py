@@ -178,8 +178,7 @@ class Proxy:
             await send_error(send, exc, [(b"x-request-id", request_id)])
             return
         forward.append((b"x-request-id", request_id))
-        ex = _Exchange(route, rid, request_id, parsed.features, decision, started)
-        ex.view = view
+        ex = _Exchange(route, rid, request_id, parsed.features, decision, started, view=view)
         self.in_flight += 1
         try:
             await self._forward(scope, receive, send, body, forward, ex)

@@ -215,9 +215,7 @@ async def test_a_client_hanging_up_on_done_is_not_an_abort():
     not as a client abort (499, nothing learned)."""
     import asyncio
 
-    from gateway.config import GatewayConfig, ReplicaConfig
-    from gateway.runner import gateway_spec
-    from gateway.servers import ServerGroup, free_port
+    from tests.sse_replica import gateway_in_front_of, send_event
 
     release = asyncio.Event()
     usage = {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
@@ -226,37 +224,18 @@ async def test_a_client_hanging_up_on_done_is_not_an_abort():
               {"choices": [], "usage": usage}]
     sse = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
-    async def replica(reader, writer):
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            await reader.readexactly(length)
-            if not head.startswith(b"POST"):  # health checks, metrics
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-                continue
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(sse), sse))
-            await writer.drain()
-            await release.wait()  # the terminator comes late, after the client has hung up
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
+    async def stream(writer):
+        await send_event(writer, sse)
+        await release.wait()  # the terminator comes late, after the client has hung up
 
-    upstream = await asyncio.start_server(replica, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{upstream.sockets[0].getsockname()[1]}"
-    cfg = GatewayConfig(port=free_port(), replicas=(ReplicaConfig(url, models=("tiny",)),),
-                        log_level="warning", policy="round_robin").validate()
-    spec = gateway_spec(cfg)
-    group = ServerGroup([spec])
-    await group.start()
-    base = f"http://127.0.0.1:{cfg.port}"
-    try:
+    async with gateway_in_front_of(stream) as (port, app):
+        base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(timeout=10) as c:
             async with c.stream("POST", base + CHAT, json=body(stream=True)) as resp:
                 async for line in resp.aiter_lines():
                     if line == "data: [DONE]":
                         break
-                watch = spec.app.state.proxy.disconnects
+                watch = app.state.proxy.disconnects
                 for _ in range(500):  # until the gateway watches this request for a hang-up
                     if not watch.pending:
                         break
@@ -272,6 +251,3 @@ async def test_a_client_hanging_up_on_done_is_not_an_abort():
         assert 'kvgate_requests_total{route="/v1/chat/completions",status="200"} 1.0' in metrics
         assert 'status="499"' not in metrics
         assert 'kvgate_actual_cached_tokens_total{policy="round_robin"} 32.0' in metrics
-    finally:
-        await group.stop()
-        upstream.close()
