@@ -77,6 +77,11 @@ class _Exchange:
     view: ClusterView | None = None  # the snapshot decided on, until on_dispatch has seen it
 
 
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class Proxy:
     """Forwards the inference routes; one instance per app, built in the lifespan."""
 
@@ -111,6 +116,10 @@ class Proxy:
         self._rid_seq = itertools.count(1)
         self.open_streams = 0
         self.in_flight = 0  # requests being forwarded (the max_in_flight limit)
+        self._held: dict[str, set[asyncio.Future]] = {}  # replica -> requests waiting (_hold)
+        # optional policy hooks (policies.base.BasePolicy has them; a bare Policy may not)
+        self._on_first_token = getattr(policy, "on_first_token", None)
+        self._hold_left = getattr(policy, "hold_left", None)
         self.max_in_flight = cfg.max_in_flight
         self.disconnects = DisconnectWatch(self.watch_disconnect_after_s)
         m = metrics
@@ -239,6 +248,8 @@ class Proxy:
         qs = scope.get("query_string", b"")
         path = scope["path"] + ("?" + qs.decode("latin-1") if qs else "")
         sent = functools.partial(self._dispatched, ex)
+        if ex.decision.hold_s > 0:
+            await self._hold(ex)
         for attempt, replica_id in enumerate(candidates):
             rep = self.pool.get(replica_id)
             if rep is None:
@@ -267,6 +278,39 @@ class Proxy:
                 continue
             return resp
         return None
+
+    async def _hold(self, ex: _Exchange) -> None:
+        """Wait for the prefill this request follows (``Decision.hold_s``): until a first token
+        from its replica makes the policy's ``hold_left`` 0, at most ``hold_s`` (the predicted
+        end).  Counted in flight on the replica meanwhile, so other decisions see it coming."""
+        replica_id = ex.decision.replica
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ex.decision.hold_s
+        waiters = self._held.setdefault(replica_id, set())
+        self.pool.begin(replica_id)
+        try:
+            while (left := deadline - loop.time()) > 0:
+                woken = loop.create_future()
+                timer = loop.call_later(left, _wake, woken)
+                waiters.add(woken)
+                try:
+                    await woken
+                finally:
+                    timer.cancel()
+                    waiters.discard(woken)
+                if self._hold_left is None or self._hold_left(ex.features, replica_id) <= 0:
+                    break
+        finally:
+            self.pool.end(replica_id)
+
+    def _first_token(self, ex: _Exchange) -> None:
+        """The replica answered ``ex``'s prompt: tell the policy, wake what waits there."""
+        if self._on_first_token is not None:
+            self._on_first_token(ex.features, ex.replica)
+        waiters = self._held.get(ex.replica)
+        if waiters:
+            for woken in list(waiters):
+                _wake(woken)
 
     async def _fail(self, send, ex: _Exchange) -> None:
         err = ex.error or NoReplicaAvailable("no replica could take the request")
@@ -307,6 +351,7 @@ class Proxy:
                 ex.error = translate(exc, ex.replica)
                 return await self._fail(send, ex)
             ex.ttft = self.clock() - ex.started
+            self._first_token(ex)
             await send({"type": "http.response.start", "status": status, "headers": headers})
             ex.finished = True
             await send({"type": "http.response.body", "body": data})
@@ -318,7 +363,8 @@ class Proxy:
         await self._relay_stream(send, resp, ex, scope)
 
     async def _relay_stream(self, send, resp: UpstreamResponse, ex: _Exchange, scope) -> None:
-        relay = StreamRelay(resp, send, scope, ex, self.clock, self._m_itl.get(ex.route))
+        relay = StreamRelay(resp, send, scope, ex, self.clock, self._m_itl.get(ex.route),
+                            self._first_token)
         self.open_streams += 1
         try:
             ended = await relay.run()
@@ -377,7 +423,7 @@ class Proxy:
                     "request_id": ex.request_id, "route": ex.route, "status": ex.status,
                     "replica": ex.replica, "policy": self.policy_name, "reason": ex.decision.reason,
                     "predicted_cached_tokens": ex.decision.predicted_cached_tokens,
-                    "cached_tokens": actual, "attempts": ex.attempts, "model": ex.features.model,
+                    "hold_ms": round(ex.decision.hold_s * 1000, 2), "cached_tokens": actual, "attempts": ex.attempts, "model": ex.features.model,
                     "duration_ms": round(elapsed * 1000, 2),
                     "ttft_ms": None if ex.ttft is None else round(ex.ttft * 1000, 2),
                 },

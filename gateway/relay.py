@@ -30,9 +30,9 @@ TAIL_BYTES = 4096
 class StreamRelay:
     """One streamed response: ``await StreamRelay(...).run()`` relays it to the end."""
 
-    __slots__ = ("resp", "send", "nowait", "ex", "clock", "itl", "last", "tail")
+    __slots__ = ("resp", "send", "nowait", "ex", "clock", "itl", "last", "tail", "first")
 
-    def __init__(self, resp, send, scope, ex, clock: Callable[[], float], itl) -> None:
+    def __init__(self, resp, send, scope, ex, clock: Callable[[], float], itl, first=None) -> None:
         self.resp = resp
         self.send = send
         ext = scope.get("extensions")
@@ -42,12 +42,15 @@ class StreamRelay:
         self.itl = itl  # a histogram child: .observe(seconds)
         self.last: float | None = None
         self.tail = b""
+        self.first = first  # called with ``ex`` at the first piece (the first token)
 
     def _seen(self, chunk: bytes) -> None:
         """Bookkeeping for one piece about to be written to the client."""
         now = self.clock()
         if self.last is None:
             self.ex.ttft = now - self.ex.started
+            if self.first is not None:
+                self.first(self.ex)
         else:
             self.itl.observe(now - self.last)
         self.last = now

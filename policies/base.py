@@ -2,8 +2,10 @@
 
 A policy gets a :class:`ClusterView` snapshot and the request's :class:`RequestFeatures` and returns
 a :class:`Decision`.  ``select`` has no side effects; what a policy learns from routing arrives
-through the optional hooks ``on_dispatch`` (the gateway sent the request) and ``on_complete`` (it
-finished), which default to no-ops.
+through the optional hooks ``on_dispatch`` (the gateway sent the request), ``on_first_token`` (its
+first token came back: the prompt is cached there) and ``on_complete`` (it finished), which default
+to no-ops.  ``hold_left`` answers a request the decision held (``Decision.hold_s``) whether it
+should still wait, each time a first token comes back from its replica.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ class Policy(Protocol):
 
     def on_complete(self, req: RequestFeatures, replica_id: str, outcome: Outcome) -> None: ...
 
+    def on_first_token(self, req: RequestFeatures, replica_id: str) -> None: ...
+
+    def hold_left(self, req: RequestFeatures, replica_id: str) -> float: ...
+
 
 class BasePolicy:
     """Shared plumbing: the eligibility filter and no-op hooks."""
@@ -44,6 +50,14 @@ class BasePolicy:
 
     def on_complete(self, req: RequestFeatures, replica_id: str, outcome: Outcome) -> None:
         return None
+
+    def on_first_token(self, req: RequestFeatures, replica_id: str) -> None:
+        """The replica produced the request's first token: its prompt is in the replica's cache."""
+        return None
+
+    def hold_left(self, req: RequestFeatures, replica_id: str) -> float:
+        """Seconds a request held by ``Decision.hold_s`` should still wait (0: send it now)."""
+        return 0.0
 
 
 def rendezvous_order(key: int | str | bytes, replicas: Sequence[ReplicaState]) -> list[ReplicaState]:

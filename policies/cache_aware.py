@@ -6,16 +6,21 @@ Algorithm (filter -> score -> pick):
 * Score, per replica r, in milliseconds::
 
       ahead(r)      = max(0, load(r) + 1 - max_running, waiting(r))
-      queue_ms(r)   = ahead(r) * service_ms / max_running + load(r) * busy_ms_per_request
+      queue_ms(r)   = slot_wait(r, ahead(r)) + load(r) * busy_ms_per_request
       prefill_ms(r) = (P - hit(r)) * prefill_ms_per_token
       ttft(r)       = queue_ms(r) + prefill_ms(r)
 
   ``load`` is max(gateway in-flight, engine running + waiting).  A replica runs about
-  ``max_running`` requests at once; past that a new request waits for slots, each held for
-  ``service_ms``, so every request ahead costs a slot's share of that service time; an engine
-  that reports requests ``waiting`` is saturated whatever ``max_running`` says.  ``service_ms``
-  starts at ``avg_output_tokens * decode_ms_per_token`` and follows an EWMA (``service_alpha``)
-  of what streamed requests really took after their first token (latency - ttft).
+  ``max_running`` requests at once; past that a new request waits for slots (an engine that
+  reports requests ``waiting`` is saturated whatever ``max_running`` says).  ``slot_wait`` is
+  when the ``ahead``-th of the requests sent there is predicted to end (``policies.slots``:
+  each dispatch records its end at now + its predicted TTFT + ``max_tokens`` (else
+  ``avg_output_tokens``) * ``decode_ms_per_token`` * a learned ratio); requests beyond those
+  recorded (another gateway's) each cost a slot's share of ``service_ms``, which starts at
+  ``avg_output_tokens * decode_ms_per_token`` and follows an EWMA (``service_alpha``) of what
+  streamed requests really took after their first token (latency - ttft), as does the ratio of
+  that time to its prediction.  A burst that filled a replica ends late and together: the
+  average share would promise a slot long before one frees.
   Below that there is no queue, only interference (``busy_ms_per_request`` per request in flight,
   which also breaks ties toward the less loaded).  ``P`` is the prompt length in tokens and
   ``hit(r) = min(P, ready(r) * tokens_per_hash)`` with ``ready(r)`` the leading prefix hashes the
@@ -26,6 +31,13 @@ Algorithm (filter -> score -> pick):
   engine counts it: ``floor(min(hit, P - 1) / b) * b`` (vLLM caches whole blocks, and computes
   the prompt's last token again).  A session's earlier turns are in the index under the replica
   they went to, so session affinity is scored as the cache it is, not as a rule.
+  Waiting for a prefill in flight (``wait_for_prefill``): where r is still computing part of the
+  match, r also gets ``ttft_wait(r) = queue_ms(r) + wait_ms(r) + (P - full(r)) *
+  prefill_ms_per_token``, ``full(r)`` the whole match and ``wait_ms(r)`` the time until the
+  prefill(s) computing it are predicted done; the lower of the two is r's score.  A follower of a
+  long prefill then holds at the gateway (``Decision.hold_s``) and arrives when the prefix exists,
+  instead of recomputing it beside the leader (or cold elsewhere): its TTFT is the leader's
+  remaining prefill plus its own suffix, and the engine does the prefix's work once.
 * Migration (``migrate``, off by default).  Let ``top = max_r hit(r)``, held by ``h`` (the least
   loaded of the replicas holding it).  A replica r with ``top - hit(r) >= migrate_min_tokens`` can
   pull the difference from h instead of recomputing it::
@@ -62,7 +74,8 @@ Algorithm (filter -> score -> pick):
 * Decision: ``predicted_cached_tokens = hit(chosen)`` (pulled tokens included); alternates are
   the other replicas by plain ttft (those over the bound last); reason ``migrate`` (it pulls
   from a holder), else ``load-fallback`` (a longer match elsewhere lost on load or the bound),
-  else ``session`` (the session's bound replica), ``prefix-hit`` or ``cold-rendezvous``
+  else ``prefill-wait`` (it holds for a prefill in flight), ``session`` (the session's bound
+  replica), ``prefix-hit`` or ``cold-rendezvous``
   (nothing worth a tie's difference is cached anywhere).
 * on_dispatch: insert the chain into the index for the chosen replica; bind the session.
 * on_complete: with ``learn_capacity``, feed predicted vs reported cached tokens to
@@ -77,7 +90,7 @@ prefill_ms_per_token 0.1, decode_ms_per_token 20, max_running 64, avg_output_tok
 busy_ms_per_request 2, load_factor 1.25, load_slack 4, spill_when_full true, tie_ms 5 (about two
 requests of interference: a wider window threw away real hits -- in the hot_prefix benchmark a
 100 ms window scattered every 44 ms tail prefix over all replicas), service_alpha 0.05,
-warm_min_ms 20, learn_capacity true; migrate false, pull_margin_ms 100, transfer_ms_per_token 0.01
+warm_min_ms 20, wait_for_prefill true, learn_capacity true; migrate false, pull_margin_ms 100, transfer_ms_per_token 0.01
 (an 8B model's 128 KiB of KV per token at 12.5 GB/s), transfer_overhead_ms 2, migrate_min_tokens
 256, engine_block_tokens 1 (no rounding; set it to the engine's block size -- vLLM's --block-size:
 16 on GPUs by default, 128 on CPUs -- when its blocks are much longer than ``tokens_per_hash``:
@@ -92,102 +105,20 @@ while slack 4 still stops a hot prefix from herding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 from .base import BasePolicy
+from .cache_aware_scores import (
+    CacheAwareParams,
+    Score,
+    engine_hit,
+    pick,
+    reason_for,
+    warm_s,
+)
 from .deps import resolve_deps
-from .scoring import LoadBound, hrw_weight, prompt_tokens, rendezvous_key, rendezvous_seed
+from .scoring import LoadBound, prompt_tokens
+from .slots import SlotTimeline
 from .types import ClusterView, Decision, Outcome, RequestFeatures
 from .warming import Warming
-
-
-@dataclass(frozen=True)
-class CacheAwareParams:
-    prefill_ms_per_token: float = 0.1
-    decode_ms_per_token: float = 20.0
-    max_running: int = 64
-    avg_output_tokens: int = 256
-    busy_ms_per_request: float = 2.0
-    load_factor: float = 1.25
-    load_slack: float = 4.0
-    tie_ms: float = 5.0
-    pull_margin_ms: float = 100.0
-    learn_capacity: bool = True
-    migrate: bool = False
-    transfer_ms_per_token: float = 0.01
-    transfer_overhead_ms: float = 2.0
-    migrate_min_tokens: int = 256
-    service_alpha: float = 0.05
-    warm_min_ms: float = 20.0
-    spill_when_full: bool = True
-    engine_block_tokens: int = 1
-
-    def validate(self) -> None:
-        if self.prefill_ms_per_token < 0 or self.decode_ms_per_token < 0:
-            raise ValueError("per-token costs must be >= 0")
-        if self.max_running < 1:
-            raise ValueError("max_running must be >= 1")
-        if self.avg_output_tokens < 0:
-            raise ValueError("avg_output_tokens must be >= 0")
-        if min(self.tie_ms, self.pull_margin_ms, self.busy_ms_per_request, self.warm_min_ms) < 0:
-            raise ValueError("tie_ms, pull_margin_ms, busy_ms_per_request, warm_min_ms: >= 0")
-        if self.transfer_ms_per_token < 0 or self.transfer_overhead_ms < 0:
-            raise ValueError("transfer costs must be >= 0")
-        if not 0.0 <= self.service_alpha <= 1.0:
-            raise ValueError("service_alpha must be in [0, 1]")
-        if self.migrate_min_tokens < 1:
-            raise ValueError("migrate_min_tokens must be >= 1")
-        if self.engine_block_tokens < 1:
-            raise ValueError("engine_block_tokens must be >= 1")
-        LoadBound(self.load_factor, self.load_slack).validate()
-
-
-class _Score(NamedTuple):
-    over: bool  # over the load bound
-    ttft: float  # predicted time to first token, ms
-    id: str
-    hit: int  # predicted cached tokens (own, plus ``pull``)
-    load: int
-    pull: int = 0  # tokens to pull from the holder first
-    pull_ms: float = 0.0
-    warm: bool = False  # still computing part of this prompt's prefix (a copy in flight)
-    blocks: int = 0  # blocks the index records for the replica (its cache footprint)
-
-
-def _pick(ties: list[_Score], bound_id: str | None, req: RequestFeatures) -> _Score:
-    """The session's replica if it ties; else the ties already computing this prefix, if any;
-    then among the least loaded of those: the longest hit, the smallest cache footprint, and
-    rendezvous."""
-    if len(ties) == 1:
-        return ties[0]
-    for s in ties:
-        if s.id == bound_id:
-            return s
-    ties = [s for s in ties if s.warm] or ties  # equally cold there: no second copy
-    low = min(s.load for s in ties) + 1
-    seed = rendezvous_seed(rendezvous_key(req))
-    return max(
-        (s for s in ties if s.load <= low),
-        key=lambda s: (s.hit, -s.blocks, hrw_weight(seed, s.id)),
-    )
-
-
-def _reason(chosen: _Score, scored: list[_Score], ties: list[_Score], bound_id: str | None) -> str:
-    if chosen.pull:
-        return "migrate"
-    top = max(s.hit for s in scored)
-    if top > chosen.hit and not any(s.hit == top for s in ties):
-        return "load-fallback"  # a longer match lost on load or the bound
-    if chosen.id == bound_id:
-        return "session"
-    return "prefix-hit" if chosen.hit else "cold-rendezvous"
-
-
-def _warm_s(ttft_ms: float) -> float:
-    """How long a dispatched prefill counts as in flight: its predicted TTFT plus a margin for
-    what the model leaves out (transport, the engine's own overhead)."""
-    return (ttft_ms + 10.0) / 1000
 
 
 class CacheAware(BasePolicy):
@@ -202,12 +133,21 @@ class CacheAware(BasePolicy):
         self._bound = LoadBound(params.load_factor, params.load_slack)
         self._service_ms = params.avg_output_tokens * params.decode_ms_per_token
         self._slot_ms = self._service_ms / params.max_running
+        self._decode_ratio = 1.0  # EWMA: real decode time / max_tokens * decode_ms_per_token
         self._warming = Warming()
+        self._slots = SlotTimeline()
 
-    def queue_ms(self, load: int, waiting: int = 0) -> float:
-        """Predicted wait before a new request's prefill starts on a replica with ``load``."""
+    def queue_ms(self, load: int, waiting: int = 0, replica: str | None = None,
+                 now: float = 0.0) -> float:  # fmt: skip
+        """Predicted wait before a new request's prefill starts on a replica with ``load`` (with
+        ``replica``: from when the requests sent there are predicted to end)."""
         ahead = max(load + 1 - self._p.max_running, waiting)
-        return (ahead * self._slot_ms if ahead > 0 else 0.0) + load * self._p.busy_ms_per_request
+        busy = load * self._p.busy_ms_per_request
+        if ahead <= 0:
+            return busy
+        if replica is None:
+            return ahead * self._slot_ms + busy
+        return self._slots.wait_s(replica, ahead, now, self._slot_ms / 1000) * 1000 + busy
 
     def select(self, req: RequestFeatures, view: ClusterView) -> Decision:
         replicas = self.eligible(req, view)
@@ -217,22 +157,28 @@ class CacheAware(BasePolicy):
         limit = self._limit(loads)
         queue_ms = self.queue_ms
         pf = self._p.prefill_ms_per_token
-        hits, warm = self._ready_hits(req, replicas, matched, total)
+        now = self._clock()
+        hits, warm, waits = self._ready_hits(req, replicas, matched, total, now)
         holder, top = self._holder(replicas, loads, hits)
         exempt = top if top and any(warm) else -1  # a copy in flight: its source may exceed the bound
         tie = self._p.tie_ms
         blocks = self._index.blocks
-        scored: list[_Score] = []
-        pulls: list[_Score] = []  # the same replicas, pulling from the holder first
-        for r, load, hit, w in zip(replicas, loads, hits, warm, strict=True):
-            q = queue_ms(load, r.waiting)
+        scored: list[Score] = []
+        pulls: list[Score] = []  # the same replicas, pulling from the holder first
+        for r, load, hit, w, wait in zip(replicas, loads, hits, warm, waits, strict=True):
+            q = queue_ms(load, r.waiting, r.id, now)
             over = load > limit and hit != exempt
-            scored.append(_Score(over, q + (total - hit) * pf, r.id, hit, load, 0, 0.0, w,
-                                 blocks(r.id)))  # fmt: skip
+            ttft = q + (total - hit) * pf
+            if wait is not None and q + wait[1] + (total - wait[0]) * pf < ttft:
+                full, hold_ms = wait  # cheaper to wait for the prefill in flight than recompute
+                scored.append(Score(over, q + hold_ms + (total - full) * pf, r.id, full, load, 0,
+                                     0.0, w, blocks(r.id), hold_ms))  # fmt: skip
+            else:
+                scored.append(Score(over, ttft, r.id, hit, load, 0, 0.0, w, blocks(r.id)))
             pull, pull_ms = self._pull(top - hit) if holder is not None else (0, 0.0)
             if pull and load <= limit:
                 have = hit + pull
-                pulls.append(_Score(False, q + (total - have) * pf + pull_ms, r.id, have, load,
+                pulls.append(Score(False, q + (total - have) * pf + pull_ms, r.id, have, load,
                                     pull, pull_ms))  # fmt: skip
         best = min(s.ttft for s in scored if not s.over)
         best_pull = min((s.ttft for s in pulls), default=best)
@@ -241,22 +187,25 @@ class CacheAware(BasePolicy):
         else:
             ties = [s for s in scored if not s.over and s.ttft <= best + tie]
         bound_id = self._sessions.peek(req.session_key) if req.session_key is not None else None
-        chosen = _pick(ties, bound_id, req)
+        chosen = pick(ties, bound_id, req)
         hit = chosen.hit
         rest = sorted((s for s in scored if s.id != chosen.id), key=lambda s: (s.over, s.ttft))
         prefill_ms = (total - hit) * pf + chosen.pull_ms
+        hold_ms = chosen.hold_ms
         return Decision(
             replica=chosen.id,
             alternates=tuple(s.id for s in rest),
-            reason=_reason(chosen, scored, ties, bound_id),
+            reason=reason_for(chosen, scored, ties, bound_id),
             predicted_cached_tokens=hit,
             scores={
                 "ttft_ms": chosen.ttft,
-                "queue_ms": chosen.ttft - prefill_ms,
+                "queue_ms": chosen.ttft - prefill_ms - hold_ms,
                 "prefill_ms": prefill_ms,
                 "matched_blocks": float(matched.get(chosen.id, 0)),
                 "pull_ms": chosen.pull_ms,
+                "hold_ms": hold_ms,
             },
+            hold_s=hold_ms / 1000,
             pull_from=holder if chosen.pull else None,
             pull_tokens=chosen.pull,
         )
@@ -272,26 +221,30 @@ class CacheAware(BasePolicy):
         return min(limit, max(fair, full)) if fair < limit else limit
 
     def _ready_hits(
-        self, req: RequestFeatures, replicas: list, matched: dict[str, int], total: int
-    ) -> tuple[list[int], list[bool]]:
-        """Per replica: cached tokens that exist now (not still being computed), and whether
-        part of the match is still being computed there."""
-        now = self._clock()
-        ready = self._warming.ready
+        self, req: RequestFeatures, replicas: list, matched: dict[str, int], total: int, now: float
+    ) -> tuple[list[int], list[bool], list[tuple[int, float] | None]]:
+        """Per replica: cached tokens that exist now (not still being computed); whether part of
+        the match is still being computed there; and then (with ``wait_for_prefill``) the
+        tokens cached once it is, and the ms until then."""
+        warming = self._warming
         hashes = req.prefix_hashes
         tph = req.tokens_per_hash
         block = self._p.engine_block_tokens
+        wait = self._p.wait_for_prefill
         hits: list[int] = []
         warm: list[bool] = []
+        waits: list[tuple[int, float] | None] = []
         for r in replicas:
             m = matched.get(r.id, 0)
-            k = ready(r.id, hashes, m, now) if m else 0
-            hit = min(total, k * tph)
-            if block > 1:  # whole engine blocks, never the prompt's last token
-                hit = max(0, min(hit, total - 1)) // block * block
-            hits.append(hit)
+            k = warming.ready(r.id, hashes, m, now) if m else 0
+            hits.append(engine_hit(k * tph, total, block))
             warm.append(k < m)
-        return hits, warm
+            if k < m and wait:
+                until = warming.until(r.id, hashes, m, now)
+                waits.append((engine_hit(m * tph, total, block), (until - now) * 1000))
+            else:
+                waits.append(None)
+        return hits, warm, waits
 
     def _holder(
         self, replicas: list, loads: list[int], hits: list[int]
@@ -311,13 +264,22 @@ class CacheAware(BasePolicy):
         ms = p.transfer_overhead_ms + missing * p.transfer_ms_per_token
         return (missing, ms) if ms < missing * p.prefill_ms_per_token else (0, 0.0)
 
+    def _decode_ms(self, req: RequestFeatures) -> float:
+        """The request's predicted time from its first token to its end (``max_tokens``)."""
+        p = self._p
+        return (req.max_tokens or p.avg_output_tokens) * p.decode_ms_per_token * self._decode_ratio
+
     def _learn_service(self, req: RequestFeatures, outcome: Outcome) -> None:
-        """EWMA of the time a streamed request holds its slot after its first token."""
+        """EWMAs of the time a streamed request holds its slot after its first token, and of
+        that time over its prediction."""
         alpha = self._p.service_alpha
         if alpha and req.stream and outcome.ok and outcome.ttft_s is not None:
             ms = max(0.0, outcome.latency_s - outcome.ttft_s) * 1000
             self._service_ms += alpha * (ms - self._service_ms)
             self._slot_ms = self._service_ms / self._p.max_running
+            predicted = (req.max_tokens or self._p.avg_output_tokens) * self._p.decode_ms_per_token
+            if predicted > 0:
+                self._decode_ratio += alpha * (ms / predicted - self._decode_ratio)
 
     def _start_warming(self, req: RequestFeatures, decision: Decision, now: float) -> None:
         """Record the prefill this dispatch starts, if long enough for a follower to care."""
@@ -327,7 +289,8 @@ class CacheAware(BasePolicy):
                     int(decision.scores.get("matched_blocks", 0)))  # fmt: skip
         computing = prompt_tokens(req) - first * tph
         if computing * self._p.prefill_ms_per_token >= self._p.warm_min_ms:
-            ready_at = now + _warm_s(decision.scores.get("ttft_ms", 0.0))
+            scores = decision.scores  # on_dispatch runs once the hold is over
+            ready_at = now + warm_s(scores.get("ttft_ms", 0.0) - scores.get("hold_ms", 0.0))
             self._warming.start(decision.replica, req.prefix_hashes, first, ready_at)
 
     def on_dispatch(self, req: RequestFeatures, decision: Decision, view: ClusterView) -> None:
@@ -335,10 +298,31 @@ class CacheAware(BasePolicy):
             now = self._clock()
             self._index.insert(decision.replica, req.prefix_hashes, now)
             self._start_warming(req, decision, now)
+        else:
+            now = self._clock()
+        scores = decision.scores  # on_dispatch runs once any hold is over
+        prefill_ms = scores.get("ttft_ms", 0.0) - scores.get("hold_ms", 0.0)
+        self._slots.start(decision.replica, id(req), now + (prefill_ms + self._decode_ms(req)) / 1000)
         if req.session_key is not None:
             self._sessions.bind(req.session_key, decision.replica)
 
+    def on_first_token(self, req: RequestFeatures, replica_id: str) -> None:
+        if req.prefix_hashes:
+            self._warming.finish(replica_id, req.prefix_hashes)
+
+    def hold_left(self, req: RequestFeatures, replica_id: str) -> float:
+        """Until the prefix ``req`` matches on ``replica_id`` is all computed (0 if it is)."""
+        hashes = req.prefix_hashes
+        m = self._index.match(hashes).get(replica_id, 0) if hashes else 0
+        if not m:
+            return 0.0
+        now = self._clock()
+        return self._warming.until(replica_id, hashes, m, now) - now
+
     def on_complete(self, req: RequestFeatures, replica_id: str, outcome: Outcome) -> None:
+        self._slots.end(id(req))
+        if req.prefix_hashes:  # done or failed: no follower should wait for it any more
+            self._warming.finish(replica_id, req.prefix_hashes)
         self._learn_service(req, outcome)
         predicted = outcome.predicted_cached_tokens
         if predicted is None or not req.prefix_hashes:

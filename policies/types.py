@@ -68,6 +68,8 @@ class Decision:
     than ``replica`` does, from which ``replica`` should pull ``pull_tokens`` tokens of KV cache
     instead of recomputing them (the gateway passes it on in ``kv_transfer_params``).
     ``predicted_cached_tokens`` then counts the pulled tokens.
+    ``hold_s``: send the request only after this many seconds (a prefill of its prefix is in
+    flight on ``replica`` and will be done by then; ``predicted_cached_tokens`` counts it).
     """
 
     replica: str
@@ -77,6 +79,7 @@ class Decision:
     scores: dict[str, float] = field(default_factory=dict, compare=False)
     pull_from: str | None = None
     pull_tokens: int = 0
+    hold_s: float = 0.0
 
     def candidates(self) -> tuple[str, ...]:
         return (self.replica, *self.alternates)

@@ -15,6 +15,11 @@ Algorithm (pure, per policy instance, not shared between gateways):
   replica holds, how many exist now: the smallest ``first`` of a live entry whose block hash is
   the request's at that position (``matched`` if none).  Asked only for replicas that match, at
   one tuple compare per entry.
+* ``until(replica, hashes, matched, now)``: when all ``matched`` blocks will exist there (the
+  latest ``ready_at`` of the live entries in them; ``now`` if none): how long a follower would
+  wait to find the whole prefix instead of recomputing it.
+* ``finish(replica, hashes)``: the request with chain ``hashes`` got its first token there, so the
+  entries it (or an earlier request with the same prefix) started are done, whatever was predicted.
 """
 
 from __future__ import annotations
@@ -48,6 +53,24 @@ class Warming:
             if first < out and ready_at > now and hashes[first] == h:
                 out = first
         return out
+
+    def until(self, replica: str, hashes: Sequence[int], matched: int, now: float) -> float:
+        """When the ``matched`` leading blocks will all exist on ``replica`` (``now`` if they do)."""
+        out = now
+        for ready_at, first, h in self._live.get(replica, ()):
+            if first < matched and ready_at > out and hashes[first] == h:
+                out = ready_at
+        return out
+
+    def finish(self, replica: str, hashes: Sequence[int]) -> None:
+        """The prefill of ``hashes`` on ``replica`` is done (its first token came back)."""
+        live = self._live.get(replica)
+        if not live:
+            return
+        n = len(hashes)
+        done = [e for e in live if e[1] < n and hashes[e[1]] == e[2]]
+        for e in done:
+            live.remove(e)
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._live.values())

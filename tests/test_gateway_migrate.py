@@ -57,7 +57,8 @@ async def test_spill_from_a_busy_holder_pulls_the_prefix():
             holder_url = next(u for u in topo.replica_urls if holder in u)
             async with httpx.AsyncClient() as direct:  # the holder's next request never ends
                 await direct.post(holder_url + "/sim/faults", json={"hang": True})
-            busy = asyncio.create_task(c.post(CHAT, json=body("first?")))
+            # a long answer (10 s predicted) that never ends: the holder is busy
+            busy = asyncio.create_task(c.post(CHAT, json=body("first?", max_tokens=500)))
             for _ in range(500):  # until the gateway counts the hanging request in flight
                 reps = (await c.get("/admin/replicas")).json()["replicas"]
                 if {r["id"]: r["in_flight"] for r in reps}[holder] == 1:

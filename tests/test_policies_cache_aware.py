@@ -248,7 +248,7 @@ def test_shortfall_on_old_holdings_shrinks_the_learned_capacity(deps: PolicyDeps
 
 
 def test_shortfall_on_a_prefix_still_being_computed_teaches_nothing(deps: PolicyDeps) -> None:
-    pol = build(deps)
+    pol = build(deps, wait_for_prefill=False)
     v = view(0, 0, 0, 0)
     shared = doc("new-doc", 100)
     first = feat(shared + doc("a", 1), session="a")
@@ -328,7 +328,7 @@ def test_unknown_model_raises(deps: PolicyDeps) -> None:
 
 
 def test_a_prefix_still_being_computed_is_predicted_cold_until_ready(deps: PolicyDeps) -> None:
-    pol = build(deps)
+    pol = build(deps, wait_for_prefill=False)
     shared = doc("doc", 100)  # 640 ms of prefill
     d1 = route(pol, feat(shared + doc("a", 1)), view(0, 0, 0, 0))
     deps.clock.t = 0.3  # type: ignore[attr-defined]
@@ -338,6 +338,87 @@ def test_a_prefix_still_being_computed_is_predicted_cold_until_ready(deps: Polic
     deps.clock.t = 0.9  # type: ignore[attr-defined]  # 640 ms and the 25% + 10 ms margin
     d3 = pol.select(feat(shared + doc("c", 1)), view(1, 1, 1, 1))
     assert d3.replica == d1.replica and d3.predicted_cached_tokens == 100 * TPH
+
+
+def test_a_follower_waits_for_the_prefill_in_flight_when_that_is_sooner(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    shared = doc("doc", 100)  # 640 ms of prefill
+    d1 = route(pol, feat(shared + doc("a", 1)), view(0, 0, 0, 0))
+    ready_at = (d1.scores["ttft_ms"] + 10) / 1000  # the leader's predicted TTFT + the margin
+    # right behind the leader, waiting (656 ms) loses to recomputing (646 ms): no hold
+    now = pol.select(feat(shared + doc("b", 1)), view(1, 1, 1, 1))
+    assert now.hold_s == 0 and now.predicted_cached_tokens == 0 and now.reason != "prefill-wait"
+    deps.clock.t = 0.3  # type: ignore[attr-defined]
+    d2 = route(pol, feat(shared + doc("b", 1)), view(1, 1, 1, 1))
+    assert d2.replica == d1.replica and d2.reason == "prefill-wait"
+    assert d2.hold_s == pytest.approx(ready_at - 0.3)
+    assert d2.predicted_cached_tokens == 100 * TPH
+    assert d2.scores["ttft_ms"] == pytest.approx(d2.hold_s * 1000 + TPH * 0.1 + 2)  # + 1 in flight
+    assert d2.scores["queue_ms"] == pytest.approx(2)
+    # the held follower computes one block: not a prefill a third request should wait for
+    deps.clock.t = ready_at  # type: ignore[attr-defined]
+    d3 = pol.select(feat(shared + doc("b", 1)), view(2, 1, 1, 1))
+    assert d3.replica == d1.replica and d3.hold_s == 0 and d3.reason == "prefix-hit"
+    assert d3.predicted_cached_tokens == 101 * TPH
+
+
+def test_the_leaders_first_token_ends_the_wait_whatever_was_predicted(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    shared = doc("doc", 100)  # 640 ms of prefill predicted
+    leader = feat(shared + doc("a", 1))
+    d1 = route(pol, leader, view(0, 0, 0, 0))
+    deps.clock.t = 0.3  # type: ignore[attr-defined]
+    follower = feat(shared + doc("b", 1))
+    d2 = route(pol, follower, view(1, 1, 1, 1))
+    assert d2.reason == "prefill-wait"
+    assert pol.hold_left(follower, d1.replica) == pytest.approx(d2.hold_s)
+    other = "r0" if d1.replica != "r0" else "r1"
+    pol.on_first_token(leader, other)  # another replica's first token changes nothing
+    assert pol.hold_left(follower, d1.replica) == pytest.approx(d2.hold_s)
+    deps.clock.t = 0.4  # type: ignore[attr-defined]  # the engine was faster than predicted
+    pol.on_first_token(leader, d1.replica)
+    assert pol.hold_left(follower, d1.replica) <= 0
+    d3 = pol.select(feat(shared + doc("c", 1)), view(2, 1, 1, 1))
+    assert d3.replica == d1.replica and d3.hold_s == 0 and d3.reason == "prefix-hit"
+    assert d3.predicted_cached_tokens == 100 * TPH
+
+
+def test_a_finished_or_failed_request_ends_the_wait_for_its_prefill(deps: PolicyDeps) -> None:
+    pol = build(deps)
+    shared = doc("doc", 100)
+    leader = feat(shared + doc("a", 1))
+    d1 = route(pol, leader, view(0, 0, 0, 0))
+    deps.clock.t = 0.3  # type: ignore[attr-defined]
+    follower = feat(shared + doc("b", 1))
+    assert pol.hold_left(follower, d1.replica) > 0
+    pol.on_complete(leader, d1.replica, Outcome(ok=False, latency_s=0.3))  # died before a token
+    assert pol.hold_left(follower, d1.replica) <= 0
+    assert pol.hold_left(feat(doc("unknown", 3)), d1.replica) == 0
+
+
+def test_a_burst_that_filled_the_holder_is_waited_for_as_long_as_it_runs(deps: PolicyDeps) -> None:
+    """8 requests of 64 tokens (10 ms each) fill r0 at once: the next slot frees when they end,
+    ~640 ms later, not after an average slot's 80 ms, so a 32-block prompt (205 ms) goes cold."""
+    pol = build(deps, max_running=8, decode_ms_per_token=10, avg_output_tokens=64,
+                busy_ms_per_request=0)  # fmt: skip
+    system = doc("sys", 32)
+    burst = [RequestFeatures("m", system + doc(f"q{i}-", 1), TPH, 33 * TPH, 64, None, True)
+             for i in range(8)]  # fmt: skip
+    deps.index.insert("r0", system)
+    for req in burst:
+        d = pol.select(req, view(0, 0, 0, 0))
+        assert d.replica == "r0"
+        pol.on_dispatch(req, d, view(0, 0, 0, 0))
+    deps.clock.t = 0.1  # type: ignore[attr-defined]
+    assert pol.queue_ms(8, 0, "r0", 0.1) == pytest.approx(540 + 6.4, abs=1)
+    assert pol.queue_ms(8) == pytest.approx(80)  # the average share (no replica named)
+    nxt = RequestFeatures("m", system + doc("late", 1), TPH, 33 * TPH, 64, None, True)
+    d = pol.select(nxt, view(8, 0, 0, 0))
+    assert d.replica != "r0" and d.reason == "load-fallback"
+    for req in burst:  # done: r0 is free again
+        pol.on_complete(req, "r0", Outcome(ok=True, latency_s=0.65, ttft_s=0.01))
+    deps.clock.t = 0.7  # type: ignore[attr-defined]
+    assert pol.select(nxt, view(0, 0, 0, 0)).replica == "r0"
 
 
 def test_a_spill_in_flight_keeps_the_holder_eligible_over_the_bound(deps: PolicyDeps) -> None:
@@ -378,7 +459,7 @@ def test_cold_prefixes_prefer_the_smaller_cache_footprint(deps: PolicyDeps) -> N
 
 
 def test_a_follower_does_not_delay_the_prefix_an_earlier_request_computes(deps: PolicyDeps) -> None:
-    pol = build(deps)
+    pol = build(deps, wait_for_prefill=False)
     shared = doc("sys", 50)  # 320 ms of prefill
     d1 = route(pol, feat(shared + doc("q1-", 1)), view(0, 0, 0, 0))
     deps.clock.t = 0.1  # type: ignore[attr-defined]
@@ -406,7 +487,7 @@ def test_a_queueing_replica_above_its_fair_share_spills_before_the_slack(
 def test_a_follower_joins_the_replica_computing_its_prefix_despite_more_load(
     deps: PolicyDeps,
 ) -> None:
-    pol = build(deps)
+    pol = build(deps, wait_for_prefill=False)
     shared = doc("sys2", 50)
     d1 = route(pol, feat(shared + doc("q1-", 1)), view(0, 0, 0, 0))
     loads = [0, 0, 0, 0]

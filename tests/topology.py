@@ -29,9 +29,10 @@ class Topology:
 
 @contextlib.asynccontextmanager
 async def running_topology(
-    replicas: int = 3, sim_config=None, **gateway_settings
+    replicas: int = 3, sim_config=None, app_kwargs: dict | None = None, **gateway_settings
 ) -> AsyncIterator[Topology]:
-    """Start ``replicas`` simulated replicas and one gateway in this event loop."""
+    """Start ``replicas`` simulated replicas and one gateway in this event loop (``app_kwargs``
+    go to the gateway's ``GatewayApp``, e.g. its ``clock``)."""
     from gateway.sim.config import SimConfig
 
     sim_config = sim_config or SimConfig()
@@ -44,7 +45,7 @@ async def running_topology(
         host=host, port=free_port(), replicas=tuple(ReplicaConfig(u) for u in urls),
         log_level="warning", **gateway_settings,
     ).validate()
-    spec = gateway_spec(cfg)
+    spec = gateway_spec(cfg, **(app_kwargs or {}))
     gw = ServerGroup([spec])
     try:
         await gw.start()

@@ -1,0 +1,109 @@
+"""The pure pieces of ``cache_aware`` (see ``policies.cache_aware`` for the algorithm): its
+parameters, a replica's score, the pick among ties and the reason it gives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .scoring import LoadBound, hrw_weight, rendezvous_key, rendezvous_seed
+from .types import RequestFeatures
+
+
+@dataclass(frozen=True)
+class CacheAwareParams:
+    prefill_ms_per_token: float = 0.1
+    decode_ms_per_token: float = 20.0
+    max_running: int = 64
+    avg_output_tokens: int = 256
+    busy_ms_per_request: float = 2.0
+    load_factor: float = 1.25
+    load_slack: float = 4.0
+    tie_ms: float = 5.0
+    pull_margin_ms: float = 100.0
+    learn_capacity: bool = True
+    migrate: bool = False
+    transfer_ms_per_token: float = 0.01
+    transfer_overhead_ms: float = 2.0
+    migrate_min_tokens: int = 256
+    service_alpha: float = 0.05
+    warm_min_ms: float = 20.0
+    spill_when_full: bool = True
+    engine_block_tokens: int = 1
+    wait_for_prefill: bool = True
+
+    def validate(self) -> None:
+        if self.prefill_ms_per_token < 0 or self.decode_ms_per_token < 0:
+            raise ValueError("per-token costs must be >= 0")
+        if self.max_running < 1:
+            raise ValueError("max_running must be >= 1")
+        if self.avg_output_tokens < 0:
+            raise ValueError("avg_output_tokens must be >= 0")
+        if min(self.tie_ms, self.pull_margin_ms, self.busy_ms_per_request, self.warm_min_ms) < 0:
+            raise ValueError("tie_ms, pull_margin_ms, busy_ms_per_request, warm_min_ms: >= 0")
+        if self.transfer_ms_per_token < 0 or self.transfer_overhead_ms < 0:
+            raise ValueError("transfer costs must be >= 0")
+        if not 0.0 <= self.service_alpha <= 1.0:
+            raise ValueError("service_alpha must be in [0, 1]")
+        if self.migrate_min_tokens < 1:
+            raise ValueError("migrate_min_tokens must be >= 1")
+        if self.engine_block_tokens < 1:
+            raise ValueError("engine_block_tokens must be >= 1")
+        LoadBound(self.load_factor, self.load_slack).validate()
+
+
+class Score(NamedTuple):
+    over: bool  # over the load bound
+    ttft: float  # predicted time to first token, ms
+    id: str
+    hit: int  # predicted cached tokens (own, plus ``pull``)
+    load: int
+    pull: int = 0  # tokens to pull from the holder first
+    pull_ms: float = 0.0
+    warm: bool = False  # still computing part of this prompt's prefix (a copy in flight)
+    blocks: int = 0  # blocks the index records for the replica (its cache footprint)
+    hold_ms: float = 0.0  # wait at the gateway for a prefill in flight there first
+
+
+def pick(ties: list[Score], bound_id: str | None, req: RequestFeatures) -> Score:
+    """The session's replica if it ties; else the ties already computing this prefix, if any;
+    then among the least loaded of those: the longest hit, the smallest cache footprint, and
+    rendezvous."""
+    if len(ties) == 1:
+        return ties[0]
+    for s in ties:
+        if s.id == bound_id:
+            return s
+    ties = [s for s in ties if s.warm] or ties  # equally cold there: no second copy
+    low = min(s.load for s in ties) + 1
+    seed = rendezvous_seed(rendezvous_key(req))
+    return max(
+        (s for s in ties if s.load <= low),
+        key=lambda s: (s.hit, -s.blocks, hrw_weight(seed, s.id)),
+    )
+
+
+def reason_for(chosen: Score, scored: list[Score], ties: list[Score], bound_id: str | None) -> str:
+    if chosen.pull:
+        return "migrate"
+    if chosen.hold_ms:
+        return "prefill-wait"
+    top = max(s.hit for s in scored)
+    if top > chosen.hit and not any(s.hit == top for s in ties):
+        return "load-fallback"  # a longer match lost on load or the bound
+    if chosen.id == bound_id:
+        return "session"
+    return "prefix-hit" if chosen.hit else "cold-rendezvous"
+
+
+def engine_hit(tokens: int, total: int, block: int) -> int:
+    """Cached tokens as the engine counts them: at most the prompt; with ``block`` > 1 whole
+    engine blocks, never the prompt's last token."""
+    hit = min(total, tokens)
+    return max(0, min(hit, total - 1)) // block * block if block > 1 else hit
+
+
+def warm_s(ttft_ms: float) -> float:
+    """How long a dispatched prefill counts as in flight: its predicted TTFT plus a margin for
+    what the model leaves out (transport, the engine's own overhead)."""
+    return (ttft_ms + 10.0) / 1000
