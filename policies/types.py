@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaState:
+class ReplicaState(NamedTuple):
     """One replica as a policy sees it in a snapshot.
 
     ``in_flight`` is what the gateway(s) have sent and not yet seen finish; ``running`` and
     ``waiting`` are the engine's own numbers scraped from its /metrics (0 when unknown);
-    ``kv_usage`` is the engine's KV-cache utilisation in [0, 1].
+    ``kv_usage`` is the engine's KV-cache utilisation in [0, 1].  A named tuple rather than a
+    frozen dataclass: the gateway builds one per replica per request, and a tuple is built in a
+    third of the time.
     """
 
     id: str
