@@ -314,9 +314,8 @@ class KVBlockStore:
         return p.stats.tiers[tier].bytes + p.charge(tier, nbytes) <= p.capacities[tier]
 
     def _read_ahead(self, keys: Sequence[int], to: int | None = None) -> Iterator[int]:
-        """``keys``, each run of ``READ_AHEAD`` read from the disk tiers that hold them (but not
-        from tier ``to``) before it is yielded: two threads read (``DiskTier.read_ahead``), then
-        the caller moves the blocks of the run."""
+        """``keys``, each run of ``READ_AHEAD`` read by the disk tiers that hold them (not tier
+        ``to``) on two threads (``DiskTier.read_ahead``) before the caller moves it."""
         n, where = self.READ_AHEAD, self.placement.tier_of
         for start in range(0, len(keys), n):
             run = keys[start : start + n]
@@ -327,12 +326,7 @@ class KVBlockStore:
                 yield from run
 
     def _prefix_len(self, keys: Sequence[int]) -> int:
-        n = 0
-        for key in keys:
-            if key not in self.placement:
-                break
-            n += 1
-        return n
+        return next((i for i, k in enumerate(keys) if k not in self.placement), len(keys))
 
     def _put(self, key, tensor, meta: BlockMeta, tier, copy, events) -> bool:
         if key in self.placement:
