@@ -64,6 +64,7 @@ def test_tier_bench_runs_every_row(tmp_path):
         "raw file read",
         "tier disk->CPU",
         "disk->CPU, verify off",
+        "disk->CPU, per block",
     }
     assert all(len(v) == 1 and v[0] > 0 for v in out.values())  # one timed round each
     assert list(tmp_path.glob("*.kvb")) == []  # the store cleaned up after itself

@@ -33,6 +33,7 @@ ROWS = [
     Row("tier CPU->disk", "memcpy", "disk", "raw file write"),
     Row("tier disk->CPU", "memcpy", "disk", "raw file read"),
     Row("disk->CPU, verify off", "memcpy", None, "raw file read"),
+    Row("disk->CPU, per block", "memcpy", None, "raw file read"),
     Row("tcp fetch", "raw loopback peer->us", "tcp", "raw ... distinct memory"),
     Row("tcp fetch, verify off", "raw loopback peer->us", None, "raw ... distinct memory"),
     Row("tcp push", "raw loopback us->peer", "tcp"),

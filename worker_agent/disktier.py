@@ -17,26 +17,28 @@ dtype and shape, then hashes the payload while it is still in cache (one checksu
 payloads above ``READ_CHUNK`` are read and hashed in pieces of that size, so each piece is hashed
 from cache rather than memory.  The tier keeps every held block's header (the 80 bytes it wrote,
 or found when it scanned the directory): the file's header must equal them byte for byte, which
-spares parsing it on every read and still catches a file that holds another block.  All of it
-runs on the calling thread: a helper thread (hashing the pieces behind the reads, or reading half
-of the block while the caller reads and hashes the other half; ``os.preadv`` and xxhash's
-``update`` both release the GIL) was measured and lost on the 2-vCPU machine of the README's
-numbers, where waking a sleeping thread takes about 70 us, a quarter of a 2 MiB read.  O_DIRECT
-is not used: it bypasses the page cache these moves are measured against, needs page-aligned
-buffers, and the header's 80 bytes would misalign every payload.
+spares parsing it on every read and still catches a file that holds another block.  A single
+``load`` runs on the calling thread (a helper thread woken per block lost on the 2-vCPU machine
+of the README's numbers, where waking a sleeping thread takes about 70 us, a quarter of a 2 MiB
+read).  Batches (``read_ahead``: the store's ``get_prefix`` and ``move_many``) are read on the
+caller and one helper thread started once per batch (``diskio.read_all``), all before the
+batch's blocks move.  O_DIRECT is not used: it bypasses the page cache these moves are measured
+against, needs page-aligned buffers, and the header's 80 bytes would misalign every payload.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import xxhash
 
 from .blockfmt import HEADER_SIZE, BlockHeader, byte_view, checksum, header_for
+from .diskio import helper_threads, pwrite_all, read_all, read_block
 from .errors import BlockFormatError, ChecksumMismatch
 from .tiers import BlockMeta, cuda_available
 
@@ -121,6 +123,8 @@ class DiskTier:
         self._dir = str(self.directory)
         self._heads: dict[int, _Head] = {}  # key -> the header its file starts with
         self._ids = itertools.count()
+        self._ahead: dict[int, object] = {}  # key -> its block (or the read's error), read ahead
+        self._reading_ahead = False
 
     def __contains__(self, key: int) -> bool:
         return key in self._heads
@@ -169,6 +173,8 @@ class DiskTier:
         return len(sizes), sum(sizes)
 
     def store(self, key: int, tensor: torch.Tensor, meta: BlockMeta, *, owned: bool) -> None:
+        if self._ahead:
+            self._ahead.pop(key, None)
         host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
         if not host.is_contiguous():
             host = host.contiguous()
@@ -185,7 +191,7 @@ class DiskTier:
         else:
             (where, old), fd = spare, os.open(spare[0], os.O_WRONLY | os.O_CLOEXEC)
         try:
-            _pwrite_all(fd, [memoryview(raw), view])
+            pwrite_all(fd, [memoryview(raw), view])
             if old > size:
                 os.ftruncate(fd, size)
             if self.fsync:
@@ -198,16 +204,48 @@ class DiskTier:
         os.replace(where, self._file(key))
         self._heads[key] = _Head(raw, header)
 
+    @contextmanager
+    def read_ahead(self, keys: Iterable[int]) -> Iterator[None]:
+        """Read the held ``keys`` now, on this thread and a helper (``diskio.read_all``); within
+        the block, ``load`` of each returns that read (once) and ``delete`` drops it.  Every read
+        is over before the block runs, so it may change the tier; nested calls read nothing."""
+        held = [] if self._reading_ahead else [k for k in dict.fromkeys(keys) if k in self._heads]
+        if len(held) < 2:
+            yield
+            return
+        bufs = [self._empty(k) for k in held]  # here: the helper's malloc arena would not reuse
+        got = read_all(lambda i: self._read(held[i], bufs[i]), len(held), helpers=helper_threads())
+        self._ahead, self._reading_ahead = dict(zip(held, got, strict=True)), True
+        try:
+            yield
+        finally:
+            self._ahead, self._reading_ahead = {}, False
+
     def load(self, key: int, *, host: bool = True) -> torch.Tensor:
         """Read and (unless ``verify=False``) verify the block; raises OSError, BlockFormatError."""
+        if self._ahead:
+            data = self._ahead.pop(key, None)
+            if isinstance(data, Exception):
+                raise data
+            if data is not None:
+                return data  # type: ignore[return-value]
+        return self._read(key)
+
+    def _empty(self, key: int) -> torch.Tensor:
+        header = self._heads[key].header
+        return torch.empty(header.shape, dtype=header.dtype, pin_memory=self.pinned)
+
+    def _read(self, key: int, data: torch.Tensor | None = None) -> torch.Tensor:
+        """``load`` without the reads ahead, into ``data`` (a fresh tensor by default)."""
         # the header is known (written or scanned here): the file's must be the same 80 bytes,
         # so no parsing; a shorter file fails the read, a changed one these checks
         raw, header = self._heads[key]
         fd = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
         try:
             head = bytearray(HEADER_SIZE)
-            data = torch.empty(header.shape, dtype=header.dtype, pin_memory=self.pinned)
-            digest = _read_block(fd, head, _bytes_of(data), self.READ_CHUNK, self.verify)
+            if data is None:
+                data = self._empty(key)
+            digest = read_block(fd, head, _bytes_of(data), self.READ_CHUNK, self.verify)
         finally:
             os.close(fd)
         if head != raw:
@@ -217,6 +255,8 @@ class DiskTier:
         return data
 
     def delete(self, key: int) -> None:
+        if self._ahead:
+            self._ahead.pop(key, None)
         head = self._heads.pop(key, None)
         if head is None:
             return
@@ -249,49 +289,3 @@ def _unlink_quietly(path: str | os.PathLike) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _pwrite_all(fd: int, bufs: list[memoryview]) -> None:
-    """Write ``bufs`` back to back from offset 0 (one ``pwritev`` unless the kernel stops short)."""
-    bufs, pos = [b for b in bufs if len(b)], 0
-    while bufs:
-        n = os.pwritev(fd, bufs, pos)
-        pos += n
-        while n and bufs:
-            if n >= len(bufs[0]):
-                n -= len(bufs.pop(0))
-            else:
-                bufs[0] = bufs[0][n:]
-                n = 0
-
-
-def _read_block(fd: int, head: bytearray, view: memoryview, step: int, verify: bool) -> int | None:
-    """Fill ``head`` then ``view`` from offset 0; returns the payload's xxh3_64 (None unless
-    ``verify``).  Up to ``step`` bytes: one ``preadv`` and one hash of the payload while it is
-    still in cache; larger payloads in ``step`` pieces, each hashed as it lands."""
-    if len(view) <= step or not verify:
-        _pread_into(fd, [memoryview(head), view], 0)
-        return checksum(view) if verify else None
-    hasher = xxhash.xxh3_64()
-    _pread_into(fd, [memoryview(head), view[:step]], 0)
-    hasher.update(view[:step])
-    for pos in range(step, len(view), step):
-        piece = view[pos : pos + step]
-        _pread_into(fd, [piece], HEADER_SIZE + pos)
-        hasher.update(piece)
-    return hasher.intdigest()
-
-
-def _pread_into(fd: int, bufs: list[memoryview], offset: int) -> None:
-    """Fill ``bufs`` back to back from ``offset`` (one ``preadv`` unless the kernel stops short,
-    which for a regular file means its end: BlockFormatError)."""
-    bufs = [b for b in bufs if len(b)]
-    while bufs:
-        n = os.preadv(fd, bufs, offset)
-        if n == 0:
-            raise BlockFormatError("block file is truncated")
-        offset += n
-        while bufs and n >= len(bufs[0]):
-            n -= len(bufs.pop(0))
-        if n:
-            bufs[0] = bufs[0][n:]

@@ -17,16 +17,20 @@ Contracts.
   (``events.net_effect``: removals first, then stores with a parent before its children, so a
   chain put tail-first still reads root-first), coalesced.  The callback runs under the store
   lock: it must be quick (enqueue) and must not call the store.
+* Batches: ``get_prefix`` and ``move_many`` read the disk blocks of each run of ``READ_AHEAD`` keys
+  on two threads before moving them (``DiskTier.read_ahead``); the outcome equals the per-block
+  ``get`` / ``move`` of each key in the same order.
 * A block whose disk copy is unreadable or corrupt is dropped (``stats.lost``) and reads as a miss.
 * Thread-safe: one lock around every public method.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +64,8 @@ class StoreStats:
 
 
 class KVBlockStore:
+    READ_AHEAD = 64  # blocks a batched read (get_prefix, move_many) reads before moving them
+
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -161,6 +167,19 @@ class KVBlockStore:
             self._emit(events)
             return key in self.placement
 
+    def move_many(self, keys: Sequence[int], tier: int) -> int:
+        """``move`` of each key in order, the disk reads batched (``_read_ahead``); returns how
+        many of ``keys`` are in ``tier`` afterwards."""
+        with self._lock:
+            p, events = self.placement, []
+            try:
+                for key in self._read_ahead(keys, tier):
+                    if key in p:
+                        self._execute(p.plan_move(key, tier), {}, True, events)
+            finally:
+                self._emit(events)
+            return sum(p.tier_of(k) == tier for k in keys)
+
     def remove(self, key: int) -> bool:
         with self._lock:
             tier = self.placement.remove(key)
@@ -196,7 +215,7 @@ class KVBlockStore:
         with self._lock:
             events: list[Event] = []
             n = self._prefix_len(keys)
-            found = [self._get(k, events) for k in reversed(keys[:n])][::-1]
+            found = [self._get(k, events) for k in self._read_ahead(keys[:n][::-1])][::-1]
             self._emit(events)
             run = next((i for i, t in enumerate(found) if t is None), n)
             return found[:run]  # type: ignore[return-value]
@@ -294,13 +313,20 @@ class KVBlockStore:
         p = self.placement
         return p.stats.tiers[tier].bytes + p.charge(tier, nbytes) <= p.capacities[tier]
 
+    def _read_ahead(self, keys: Sequence[int], to: int | None = None) -> Iterator[int]:
+        """``keys``, each run of ``READ_AHEAD`` read by the disk tiers that hold them (not tier
+        ``to``) on two threads (``DiskTier.read_ahead``) before the caller moves it."""
+        n, where = self.READ_AHEAD, self.placement.tier_of
+        for start in range(0, len(keys), n):
+            run = keys[start : start + n]
+            with contextlib.ExitStack() as stack:
+                for index, tier in enumerate(self.tiers):
+                    if isinstance(tier, DiskTier) and index != to:
+                        stack.enter_context(tier.read_ahead(k for k in run if where(k) == index))
+                yield from run
+
     def _prefix_len(self, keys: Sequence[int]) -> int:
-        n = 0
-        for key in keys:
-            if key not in self.placement:
-                break
-            n += 1
-        return n
+        return next((i for i, k in enumerate(keys) if k not in self.placement), len(keys))
 
     def _put(self, key, tensor, meta: BlockMeta, tier, copy, events) -> bool:
         if key in self.placement:
