@@ -28,9 +28,8 @@ async def check_replica(client: httpx.AsyncClient, rep: Replica, timeout: float)
             rep.metrics_ok = metrics.status_code == 200
             if rep.metrics_ok:
                 values = parse_engine_metrics(metrics.text)
-                rep.running = int(values.get("running", 0))
-                rep.waiting = int(values.get("waiting", 0))
-                rep.kv_usage = float(values.get("kv_usage", 0.0))
+                rep.record_engine(int(values.get("running", 0)), int(values.get("waiting", 0)),
+                                  float(values.get("kv_usage", 0.0)))  # fmt: skip
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         log.debug("health check of %s failed: %r", rep.id, exc)
         alive = False

@@ -13,6 +13,7 @@ class Replica:
     __slots__ = (
         "id", "url", "models", "static_models", "healthy", "draining", "in_flight",
         "running", "waiting", "kv_usage", "failures", "metrics_ok", "removing", "remote_in_flight",
+        "others", "others_waiting",
     )
 
     def __init__(self, cfg: ReplicaConfig) -> None:
@@ -30,12 +31,26 @@ class Replica:
         self.metrics_ok = False
         self.removing = False  # drained and removed from the pool once idle
         self.remote_in_flight = 0  # other gateways' in-flight here (shared state heartbeat)
+        self.others = 0  # the engine's requests beyond the gateways' own, at the last scrape
+        self.others_waiting = 0  # of which waiting for a slot
+
+    def record_engine(self, running: int, waiting: int, kv_usage: float) -> None:
+        """The engine's own counts, just scraped.  What the gateways sent is known exactly and
+        now; the scrape is up to a health interval old.  So it only adds what the gateways did
+        not send (other clients): those requests are taken to stay until the next scrape."""
+        self.running, self.waiting, self.kv_usage = running, waiting, kv_usage
+        self.others = max(0, running + waiting - self.in_flight - self.remote_in_flight)
+        self.others_waiting = min(waiting, self.others)
 
     def state(self) -> ReplicaState:
-        """The policies' snapshot; ``in_flight`` is cluster-wide (ours + other gateways')."""
+        """The policies' snapshot: ``in_flight`` is cluster-wide (ours + other gateways'), and
+        ``running`` + ``waiting`` add the engine's other requests to it (``record_engine``), so
+        ``load`` counts every request the replica has now, not as of the last scrape."""
+        sent = self.in_flight + self.remote_in_flight
+        waiting = self.others_waiting
         return ReplicaState(  # positional: the fields' order (the cheapest call)
-            self.id, self.url, self.healthy, self.in_flight + self.remote_in_flight,
-            self.running, self.waiting, self.kv_usage, self.models, self.draining,
+            self.id, self.url, self.healthy, sent, sent + self.others - waiting, waiting,
+            self.kv_usage, self.models, self.draining,
         )
 
     def to_json(self) -> dict:

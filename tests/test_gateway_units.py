@@ -137,6 +137,24 @@ garbage line
     assert parse_engine_metrics(text) == {"running": 5.0, "waiting": 4.0, "kv_usage": 0.25}
 
 
+def test_a_scrape_adds_only_the_engines_other_requests_to_the_exact_in_flight_count():
+    pool = ReplicaPool([ReplicaConfig("http://a:1")])
+    rep = pool.get("a:1")
+    rep.in_flight = 6
+    rep.record_engine(running=6, waiting=0, kv_usage=0.5)  # all ours
+    rep.in_flight = 1  # five finished since: the replica is nearly idle, whatever the scrape said
+    (state,) = pool.snapshot().replicas
+    assert state.load == 1 and state.waiting == 0 and state.kv_usage == 0.5
+    rep.in_flight = 6
+    rep.record_engine(running=8, waiting=3, kv_usage=0.9)  # 5 requests from other clients
+    rep.in_flight = 2
+    (state,) = pool.snapshot().replicas
+    assert state.load == 2 + 5 and state.waiting == 3 and state.in_flight == 2
+    rep.remote_in_flight = 4  # another gateway's, through the shared state
+    assert pool.snapshot().replicas[0].load == 6 + 5
+    assert rep.to_json()["running"] == 8 and rep.to_json()["waiting"] == 3  # as scraped
+
+
 def test_usage_from_sse_tail_and_cached_tokens():
     usage = {"prompt_tokens": 100, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 64}}
     tail = (
