@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -113,8 +113,11 @@ def parse_request(
     *,
     session_header: str = "x-session-id",
     chunk_bytes: int = 256,
+    bytes_per_token: Callable[[str], float] | None = None,
 ) -> ParsedRequest:
-    """Validate the body just enough to route it and compute its prefix hashes."""
+    """Validate the body just enough to route it and compute its prefix hashes; token counts
+    are the rendered prompt's bytes over ``bytes_per_token(model)`` (``gateway.tokenrate``;
+    default 4)."""
     body = _loads(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -129,11 +132,13 @@ def parse_request(
         session = "user:" + body["user"]
     if session is None and messages:
         session = _first_turn_key(messages, text, start, ends)
+    rate = BYTES_PER_TOKEN if bytes_per_token is None else bytes_per_token(model)
     features = RequestFeatures(
         model=model,
         prefix_hashes=tuple(hash_bytes(data, model_seed(model), chunk_bytes)),
-        tokens_per_hash=max(1, chunk_bytes // BYTES_PER_TOKEN),
-        prompt_tokens=max(1, len(data) // BYTES_PER_TOKEN),
+        tokens_per_hash=max(1, round(chunk_bytes / rate)),
+        prompt_tokens=max(1, int(len(data) / rate)),
+        prompt_bytes=len(data),
         max_tokens=_max_tokens(body),
         session_key=session,
         stream=stream,

@@ -32,6 +32,7 @@ from .kvhints import pull_hint_body
 from .metrics import GatewayMetrics
 from .relay import SSE_DONE, StreamRelay
 from .replicas import ReplicaPool
+from .tokenrate import TokenRates
 from .upstream import (
     HOP_BY_HOP,
     RESPONSE_DROP,
@@ -117,6 +118,7 @@ class Proxy:
         self.open_streams = 0
         self.in_flight = 0  # requests being forwarded (the max_in_flight limit)
         self._held: dict[str, set[asyncio.Future]] = {}  # replica -> requests waiting (_hold)
+        self.token_rates = TokenRates()  # bytes per engine token, per model, learnt from usage
         # optional policy hooks (policies.base.BasePolicy has them; a bare Policy may not)
         self._on_first_token = getattr(policy, "on_first_token", None)
         self._hold_left = getattr(policy, "hold_left", None)
@@ -177,7 +179,8 @@ class Proxy:
             body = await read_body(receive, self.cfg.max_body_bytes)
             headers = {self.session_header: session.decode("latin-1")} if session else {}
             parsed = parse_request(
-                kind, body, headers, session_header=self.session_header, chunk_bytes=self.cfg.chunk_bytes
+                kind, body, headers, session_header=self.session_header,
+                chunk_bytes=self.cfg.chunk_bytes, bytes_per_token=self.token_rates.get,
             )
             decision, view = self._decide(parsed.features)
             if decision.pull_from is not None:  # migration hint -> kv_transfer_params
@@ -409,6 +412,8 @@ class Proxy:
             self._m_pred_error.observe(abs(predicted - actual))
         if ex.replica:
             prompt = (ex.usage or {}).get("prompt_tokens") or 0
+            if prompt and isinstance(prompt, int):
+                self.token_rates.observe(ex.features.model, ex.features.prompt_bytes, prompt)
             # The prediction was for the decision's first choice; a retried request has none.
             predicted_here = ex.decision.predicted_cached_tokens if ex.replica == ex.decision.replica else None
             outcome = Outcome(

@@ -46,6 +46,7 @@ class RequestFeatures:
     max_tokens: int = 0  # requested output tokens, 0 if unset
     session_key: str | None = None
     stream: bool = False
+    prompt_bytes: int = 0  # the rendered prompt's length in bytes (what ``prompt_tokens`` estimates)
 
 
 @dataclass(frozen=True, slots=True)
