@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import signal
 import socket
 from collections.abc import Iterator
@@ -112,8 +113,34 @@ class ServerGroup:
                     loop.remove_signal_handler(sig)
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as an outgoing connection's source port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for tests and the demo's defaults)."""
+    """A TCP port that was free a moment ago (for tests and the demo's defaults).
+
+    Picked at random below the ephemeral range: a port the kernel chose with ``bind(0)`` is one
+    it also gives to outgoing connections as their source port, and a test suite that opens
+    thousands of loopback connections takes it before the server that was to listen there
+    binds it (EADDRINUSE)."""
+    low = _ephemeral_low()
+    if low > 12000:
+        rng = random.SystemRandom()  # no state shared with the program's own random module
+        for _ in range(100):
+            port = rng.randrange(10000, low - 64)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

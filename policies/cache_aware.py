@@ -28,8 +28,9 @@ Algorithm (filter -> score -> pick):
   (``policies.warming``: engines do not share a prefill in progress, so a follower recomputes
   them; a dispatch counts as computing for its predicted TTFT + 10 ms, and only if that prefill
   takes ``warm_min_ms`` or more).  With ``engine_block_tokens`` b > 1 a hit is counted as the
-  engine counts it: ``floor(min(hit, P - 1) / b) * b`` (vLLM caches whole blocks, and computes
-  the prompt's last token again).  A session's earlier turns are in the index under the replica
+  engine counts it: ``floor(min(hit - tokens_per_hash / 4, P - 1) / b) * b`` (vLLM caches whole
+  blocks, and computes the prompt's last token again; the quarter chunk of slack because a
+  chunk's tokens are estimated, and a block ending right at the match may not be shared).  A session's earlier turns are in the index under the replica
   they went to, so session affinity is scored as the cache it is, not as a rule.
   Waiting for a prefill in flight (``wait_for_prefill``): where r is still computing part of the
   match, r also gets ``ttft_wait(r) = queue_ms(r) + wait_ms(r) + (P - full(r)) *
@@ -237,11 +238,11 @@ class CacheAware(BasePolicy):
         for r in replicas:
             m = matched.get(r.id, 0)
             k = warming.ready(r.id, hashes, m, now) if m else 0
-            hits.append(engine_hit(k * tph, total, block))
+            hits.append(engine_hit(k * tph, total, block, tph // 4))
             warm.append(k < m)
             if k < m and wait:
                 until = warming.until(r.id, hashes, m, now)
-                waits.append((engine_hit(m * tph, total, block), (until - now) * 1000))
+                waits.append((engine_hit(m * tph, total, block, tph // 4), (until - now) * 1000))
             else:
                 waits.append(None)
         return hits, warm, waits

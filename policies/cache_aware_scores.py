@@ -96,11 +96,13 @@ def reason_for(chosen: Score, scored: list[Score], ties: list[Score], bound_id: 
     return "prefix-hit" if chosen.hit else "cold-rendezvous"
 
 
-def engine_hit(tokens: int, total: int, block: int) -> int:
+def engine_hit(tokens: int, total: int, block: int, slack: int = 0) -> int:
     """Cached tokens as the engine counts them: at most the prompt; with ``block`` > 1 whole
-    engine blocks, never the prompt's last token."""
+    engine blocks, never the prompt's last token, and only blocks that end ``slack`` tokens
+    before the match does (a matched chunk's token count is an estimate: a block that would
+    end right at it may end past the prefix the engine really shares)."""
     hit = min(total, tokens)
-    return max(0, min(hit, total - 1)) // block * block if block > 1 else hit
+    return max(0, min(hit - slack, total - 1)) // block * block if block > 1 else hit
 
 
 def warm_s(ttft_ms: float) -> float:

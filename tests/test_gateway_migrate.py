@@ -46,7 +46,7 @@ def test_pull_hint_body_merges_into_kv_transfer_params():
 
 async def test_spill_from_a_busy_holder_pulls_the_prefix():
     params = dict(
-        migrate=True, max_running=1, avg_output_tokens=100, decode_ms_per_token=20,
+        migrate=True, max_running=1, avg_output_tokens=100, decode_ms_per_token=20, prefill_ms_per_token=0.2,
         migrate_min_tokens=64, load_slack=100,
     )  # fmt: skip
     sim = SimConfig(prefill_s_per_token=0.0002, decode_s_per_token=0.0)
