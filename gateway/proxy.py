@@ -28,6 +28,7 @@ from .disconnect import DisconnectWatch, client_gone
 from .errors import KvgateError, ModelNotFound, NoReplicaAvailable, RateLimited, Unauthorized
 from .fastmetrics import Children, status_label
 from .features import parse_request
+from .holds import PrefillHolds
 from .kvhints import pull_hint_body
 from .metrics import GatewayMetrics
 from .relay import SSE_DONE, StreamRelay
@@ -78,11 +79,6 @@ class _Exchange:
     view: ClusterView | None = None  # the snapshot decided on, until on_dispatch has seen it
 
 
-def _wake(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 class Proxy:
     """Forwards the inference routes; one instance per app, built in the lifespan."""
 
@@ -117,11 +113,8 @@ class Proxy:
         self._rid_seq = itertools.count(1)
         self.open_streams = 0
         self.in_flight = 0  # requests being forwarded (the max_in_flight limit)
-        self._held: dict[str, set[asyncio.Future]] = {}  # replica -> requests waiting (_hold)
+        self.holds = PrefillHolds(pool, policy)  # requests waiting for a prefill in flight
         self.token_rates = TokenRates()  # bytes per engine token, per model, learnt from usage
-        # optional policy hooks (policies.base.BasePolicy has them; a bare Policy may not)
-        self._on_first_token = getattr(policy, "on_first_token", None)
-        self._hold_left = getattr(policy, "hold_left", None)
         self.max_in_flight = cfg.max_in_flight
         self.disconnects = DisconnectWatch(self.watch_disconnect_after_s)
         m = metrics
@@ -252,7 +245,7 @@ class Proxy:
         path = scope["path"] + ("?" + qs.decode("latin-1") if qs else "")
         sent = functools.partial(self._dispatched, ex)
         if ex.decision.hold_s > 0:
-            await self._hold(ex)
+            await self.holds.wait(ex.decision.replica, ex.decision.hold_s, ex.features)
         for attempt, replica_id in enumerate(candidates):
             rep = self.pool.get(replica_id)
             if rep is None:
@@ -282,38 +275,8 @@ class Proxy:
             return resp
         return None
 
-    async def _hold(self, ex: _Exchange) -> None:
-        """Wait for the prefill this request follows (``Decision.hold_s``): until a first token
-        from its replica makes the policy's ``hold_left`` 0, at most ``hold_s`` (the predicted
-        end).  Counted in flight on the replica meanwhile, so other decisions see it coming."""
-        replica_id = ex.decision.replica
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + ex.decision.hold_s
-        waiters = self._held.setdefault(replica_id, set())
-        self.pool.begin(replica_id)
-        try:
-            while (left := deadline - loop.time()) > 0:
-                woken = loop.create_future()
-                timer = loop.call_later(left, _wake, woken)
-                waiters.add(woken)
-                try:
-                    await woken
-                finally:
-                    timer.cancel()
-                    waiters.discard(woken)
-                if self._hold_left is None or self._hold_left(ex.features, replica_id) <= 0:
-                    break
-        finally:
-            self.pool.end(replica_id)
-
     def _first_token(self, ex: _Exchange) -> None:
-        """The replica answered ``ex``'s prompt: tell the policy, wake what waits there."""
-        if self._on_first_token is not None:
-            self._on_first_token(ex.features, ex.replica)
-        waiters = self._held.get(ex.replica)
-        if waiters:
-            for woken in list(waiters):
-                _wake(woken)
+        self.holds.first_token(ex.features, ex.replica)
 
     async def _fail(self, send, ex: _Exchange) -> None:
         err = ex.error or NoReplicaAvailable("no replica could take the request")
@@ -428,7 +391,8 @@ class Proxy:
                     "request_id": ex.request_id, "route": ex.route, "status": ex.status,
                     "replica": ex.replica, "policy": self.policy_name, "reason": ex.decision.reason,
                     "predicted_cached_tokens": ex.decision.predicted_cached_tokens,
-                    "hold_ms": round(ex.decision.hold_s * 1000, 2), "cached_tokens": actual, "attempts": ex.attempts, "model": ex.features.model,
+                    "hold_ms": round(ex.decision.hold_s * 1000, 2), "cached_tokens": actual,
+                    "attempts": ex.attempts, "model": ex.features.model,
                     "duration_ms": round(elapsed * 1000, 2),
                     "ttft_ms": None if ex.ttft is None else round(ex.ttft * 1000, 2),
                 },

@@ -265,10 +265,9 @@ class CacheAware(BasePolicy):
         ms = p.transfer_overhead_ms + missing * p.transfer_ms_per_token
         return (missing, ms) if ms < missing * p.prefill_ms_per_token else (0, 0.0)
 
-    def _decode_ms(self, req: RequestFeatures) -> float:
-        """The request's predicted time from its first token to its end (``max_tokens``)."""
-        p = self._p
-        return (req.max_tokens or p.avg_output_tokens) * p.decode_ms_per_token * self._decode_ratio
+    def _decode_prior_ms(self, req: RequestFeatures) -> float:
+        """Its time from first token to end at ``decode_ms_per_token`` (``max_tokens`` tokens)."""
+        return (req.max_tokens or self._p.avg_output_tokens) * self._p.decode_ms_per_token
 
     def _learn_service(self, req: RequestFeatures, outcome: Outcome) -> None:
         """EWMAs of the time a streamed request holds its slot after its first token, and of
@@ -278,32 +277,32 @@ class CacheAware(BasePolicy):
             ms = max(0.0, outcome.latency_s - outcome.ttft_s) * 1000
             self._service_ms += alpha * (ms - self._service_ms)
             self._slot_ms = self._service_ms / self._p.max_running
-            predicted = (req.max_tokens or self._p.avg_output_tokens) * self._p.decode_ms_per_token
+            predicted = self._decode_prior_ms(req)
             if predicted > 0:
                 self._decode_ratio += alpha * (ms / predicted - self._decode_ratio)
 
-    def _start_warming(self, req: RequestFeatures, decision: Decision, now: float) -> None:
-        """Record the prefill this dispatch starts, if long enough for a follower to care."""
+    def _start_warming(self, req: RequestFeatures, decision: Decision, now: float,
+                       ttft_ms: float) -> None:  # fmt: skip
+        """Record the prefill this dispatch starts (``ttft_ms`` from now), if long enough for a
+        follower to care."""
         tph = req.tokens_per_hash
         # Blocks matched but not ready are an earlier request's, ready before these.
         first = max(decision.predicted_cached_tokens // tph,
                     int(decision.scores.get("matched_blocks", 0)))  # fmt: skip
         computing = prompt_tokens(req) - first * tph
         if computing * self._p.prefill_ms_per_token >= self._p.warm_min_ms:
-            scores = decision.scores  # on_dispatch runs once the hold is over
-            ready_at = now + warm_s(scores.get("ttft_ms", 0.0) - scores.get("hold_ms", 0.0))
+            ready_at = now + warm_s(ttft_ms)
             self._warming.start(decision.replica, req.prefix_hashes, first, ready_at)
 
     def on_dispatch(self, req: RequestFeatures, decision: Decision, view: ClusterView) -> None:
+        now = self._clock()
+        scores = decision.scores  # on_dispatch runs once any hold is over: TTFT from now
+        ttft_ms = scores.get("ttft_ms", 0.0) - scores.get("hold_ms", 0.0)
         if req.prefix_hashes:
-            now = self._clock()
             self._index.insert(decision.replica, req.prefix_hashes, now)
-            self._start_warming(req, decision, now)
-        else:
-            now = self._clock()
-        scores = decision.scores  # on_dispatch runs once any hold is over
-        prefill_ms = scores.get("ttft_ms", 0.0) - scores.get("hold_ms", 0.0)
-        self._slots.start(decision.replica, id(req), now + (prefill_ms + self._decode_ms(req)) / 1000)
+            self._start_warming(req, decision, now, ttft_ms)
+        decode_ms = self._decode_prior_ms(req) * self._decode_ratio
+        self._slots.start(decision.replica, id(req), now + (ttft_ms + decode_ms) / 1000)
         if req.session_key is not None:
             self._sessions.bind(req.session_key, decision.replica)
 

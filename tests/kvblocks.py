@@ -27,3 +27,12 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         and tuple(a.shape) == tuple(b.shape)
         and torch.equal(byte_view(a.cpu()), byte_view(b.cpu()))
     )
+
+
+def flip_byte(path, offset: int) -> None:
+    """Corrupt one byte of a file in place."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)[0]
+        fh.seek(offset)
+        fh.write(bytes([byte ^ 0x40]))

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.kvblocks import random_block, same_bytes  # noqa: E402
+from tests.kvblocks import flip_byte, random_block, same_bytes  # noqa: E402
 from worker_agent.blockfmt import HEADER_SIZE  # noqa: E402
 from worker_agent.diskio import read_all  # noqa: E402
 from worker_agent.disktier import DiskTier  # noqa: E402
@@ -27,14 +27,6 @@ def filled_tier(tmp_path, n: int, seed: int = 0, chunk: int = 4096):
     for k, t in blocks.items():
         tier.store(k, t, BlockMeta(), owned=False)
     return tier, blocks
-
-
-def flip_byte(path, offset: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)[0]
-        fh.seek(offset)
-        fh.write(bytes([byte ^ 0x40]))
 
 
 def test_read_all_uses_both_threads_and_keeps_errors_in_place():

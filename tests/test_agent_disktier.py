@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.kvblocks import random_block, same_bytes  # noqa: E402
+from tests.kvblocks import flip_byte, random_block, same_bytes  # noqa: E402
 from worker_agent.blockfmt import HEADER_SIZE  # noqa: E402
 from worker_agent.disktier import DiskTier  # noqa: E402
 from worker_agent.errors import BlockFormatError, ChecksumMismatch  # noqa: E402
@@ -110,14 +110,6 @@ def test_random_stores_and_deletes_stay_byte_identical(tmp_path, seed):
         assert len(files(tmp_path, ".spare")) == len(tier.spares)
         assert tier.spares.bytes <= tier.spares.max_bytes
     assert tier.held() == (len(held), sum(HEADER_SIZE + t.nbytes for t in held.values()))
-
-
-def flip_byte(path, offset: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)[0]
-        fh.seek(offset)
-        fh.write(bytes([byte ^ 0x40]))
 
 
 def chunked_tier(tmp_path, chunk: int = 1024) -> DiskTier:
