@@ -13,7 +13,7 @@ class Replica:
     __slots__ = (
         "id", "url", "models", "static_models", "healthy", "draining", "in_flight",
         "running", "waiting", "kv_usage", "failures", "metrics_ok", "removing", "remote_in_flight",
-        "others", "others_waiting",
+        "others", "others_waiting", "_scraped_others", "_remote_at_scrape",
     )
 
     def __init__(self, cfg: ReplicaConfig) -> None:
@@ -33,14 +33,31 @@ class Replica:
         self.remote_in_flight = 0  # other gateways' in-flight here (shared state heartbeat)
         self.others = 0  # the engine's requests beyond the gateways' own, at the last scrape
         self.others_waiting = 0  # of which waiting for a slot
+        self._scraped_others = 0  # ``others`` as the scrape computed it
+        self._remote_at_scrape = 0  # ``remote_in_flight`` when it did
 
     def record_engine(self, running: int, waiting: int, kv_usage: float) -> None:
         """The engine's own counts, just scraped.  What the gateways sent is known exactly and
         now; the scrape is up to a health interval old.  So it only adds what the gateways did
         not send (other clients): those requests are taken to stay until the next scrape."""
         self.running, self.waiting, self.kv_usage = running, waiting, kv_usage
-        self.others = max(0, running + waiting - self.in_flight - self.remote_in_flight)
-        self.others_waiting = min(waiting, self.others)
+        self._scraped_others = max(0, running + waiting - self.in_flight - self.remote_in_flight)
+        self._remote_at_scrape = self.remote_in_flight
+        self._set_others(self._scraped_others)
+
+    def set_remote(self, remote_in_flight: int) -> None:
+        """Other gateways' in-flight here, from the shared state's heartbeat.  It lags: requests
+        another gateway had running when we scraped may only show up now.  A rise since the
+        scrape is taken to be those (the scrape counted them as other clients'), so it comes off
+        ``others`` rather than being counted twice, and stays off when they finish; until the next
+        scrape ``others`` only shrinks (new foreign requests show at that scrape)."""
+        self.remote_in_flight = remote_in_flight
+        rise = max(0, remote_in_flight - self._remote_at_scrape)
+        self._set_others(min(self.others, max(0, self._scraped_others - rise)))
+
+    def _set_others(self, others: int) -> None:
+        self.others = others
+        self.others_waiting = min(self.waiting, others)
 
     def state(self) -> ReplicaState:
         """The policies' snapshot: ``in_flight`` is cluster-wide (ours + other gateways'), and
@@ -110,7 +127,7 @@ class ReplicaPool:
     def set_remote_in_flight(self, totals: dict[str, int]) -> None:
         """Other gateways' in-flight per replica (replicas absent from ``totals`` get 0)."""
         for rep in self._replicas.values():
-            rep.remote_in_flight = max(0, int(totals.get(rep.id, 0)))
+            rep.set_remote(max(0, int(totals.get(rep.id, 0))))
 
     # --- request accounting -------------------------------------------------------------
     def begin(self, replica_id: str) -> None:

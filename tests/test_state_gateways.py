@@ -52,6 +52,7 @@ async def test_a_session_alternating_between_gateways_stays_on_one_replica(share
         a, b = cl.base_urls
         await drain_on(c, a, cl.replica_ids[0])
         placements: dict[str, list[str]] = {}
+        reasons: dict[str, list[str]] = {}
         for s in range(16):
             sid = f"sess-{policy}-{s}"
             messages = [{"role": "system", "content": f"You are helper number {s}. " * 20}]
@@ -61,8 +62,9 @@ async def test_a_session_alternating_between_gateways_stays_on_one_replica(share
                 r = await c.post(base + CHAT, json=chat(messages), headers={"x-session-id": sid})
                 assert r.status_code == 200, r.text
                 placements.setdefault(sid, []).append(r.headers["x-kvgate-replica"])
+                reasons.setdefault(sid, []).append(r.headers["x-kvgate-reason"])
                 messages.append(r.json()["choices"][0]["message"])
-        split = {sid: reps for sid, reps in placements.items() if len(set(reps)) != 1}
+        split = {sid: (reps, reasons[sid]) for sid, reps in placements.items() if len(set(reps)) != 1}
         assert not split, split
         assert cl.replica_ids[0] not in {reps[0] for reps in placements.values()}
 

@@ -145,6 +145,24 @@ def test_replica_state_adds_other_gateways_in_flight():
     assert pool.snapshot().by_id("b").in_flight == 0
 
 
+def test_a_request_the_heartbeat_reports_late_is_not_also_counted_as_another_clients():
+    """B scraped a replica while gateway A's request ran there, before A's heartbeat said so."""
+    pool = ReplicaPool([ReplicaConfig("http://a:1", id="a")])
+    rep = pool.get("a")
+    rep.record_engine(running=2, waiting=1, kv_usage=0.1)  # 3 there; we know of none of them
+    assert pool.snapshot().by_id("a").load == 3
+    pool.set_remote_in_flight({"a": 1})  # one of them was A's
+    state = pool.snapshot().by_id("a")
+    assert state.load == 3 and state.in_flight == 1 and state.waiting == 1
+    pool.set_remote_in_flight({})  # A's finished: the other two stay until the next scrape
+    assert pool.snapshot().by_id("a").load == 2
+    pool.set_remote_in_flight({"a": 3})  # A has 3 now: no client beyond the gateways is left
+    state = pool.snapshot().by_id("a")
+    assert state.load == 3 and state.waiting == 0
+    rep.record_engine(running=4, waiting=0, kv_usage=0.1)  # a new scrape starts afresh
+    assert pool.snapshot().by_id("a").load == 4
+
+
 async def test_memory_store_expiry_follows_its_injected_clock():
     clock = FakeClock()
     store = MemoryStore(clock=clock)
