@@ -163,6 +163,21 @@ def test_error_rate_is_seeded_and_counted():
     assert [eng.draw_error() for _ in range(200)] == a  # reset reseeds
 
 
+def test_reset_empties_the_cache_and_the_tokenizer_memo():
+    """So a benchmark that resets between targets gives each the same tokenizing work."""
+    async def main():
+        eng = engine_with()
+        await eng.complete(eng.prompt_from_segments(["<|im_start|>system\n" + "be brief. " * 40 + "<|im_end|>\n"]), 1)
+        return eng
+
+    eng = run_virtual(main())
+    before = eng.state()
+    assert before["tokenizer_memoised_tokens"] > 0 and before["cache_blocks_used"] > 0
+    eng.reset()
+    after = eng.state()
+    assert after["tokenizer_memoised_tokens"] == 0 and after["cache_blocks_used"] == 0
+
+
 def test_metrics_text_matches_counters():
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from policies.hashing import hash_token_blocks, model_seed
 
 from ..sim.model import expected_text, max_cacheable_blocks
-from ..sim.tokenizer import encode_segments, render_chat_prompt, render_chat_segments
+from ..sim.tokenizer import Tokenizer, render_chat_prompt, render_chat_segments
 
 _WORDS = (
     "cache prefix replica token block route session gateway latency throughput model prompt "
@@ -160,8 +160,9 @@ def footprint(workload: Workload, block_size: int = 16) -> CacheFootprint:
     seed = model_seed(workload.model)
     seen: set[int] = set()
     cached = total = 0
+    tokenizer = Tokenizer()
     for req in workload.requests:
-        tokens = encode_segments(render_chat_segments(list(req.messages)))
+        tokens = tokenizer.encode_segments(render_chat_segments(list(req.messages)))
         hashes = hash_token_blocks(tokens, block_size, seed)
         limit = max_cacheable_blocks(len(tokens), block_size)
         hit = 0

@@ -37,7 +37,7 @@ from .model import (
     max_cacheable_blocks,
     prefill_seconds,
 )
-from .tokenizer import encode_segments
+from .tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
@@ -110,6 +110,7 @@ class SimEngine:
         self._held_blocks = 0
         self.planner = make_planner(config)  # None: this replica never pulls
         self.inflight = Inflight()  # blocks being computed or pulled here
+        self.tokenizer = Tokenizer()
 
     # -- prompts ---------------------------------------------------------------------------
 
@@ -118,7 +119,7 @@ class SimEngine:
 
     def prompt_from_segments(self, segments: Sequence[str]) -> PromptBlocks:
         """The prompt ``"".join(segments)`` (segments as the chat template cuts them)."""
-        ids = encode_segments(segments)
+        ids = self.tokenizer.encode_segments(segments)
         return PromptBlocks.from_tokens(ids, self.config.block_size, self.seed)
 
     def prompt_from_ids(self, token_ids: Sequence[int]) -> PromptBlocks:
@@ -342,8 +343,10 @@ class SimEngine:
         return self.faults
 
     def reset(self) -> None:
-        """Empty the cache, zero the counters and reseed the fault RNG (faults stay)."""
+        """Empty the cache and the tokenizer's memo, zero the counters and reseed the fault RNG
+        (faults stay)."""
         self.cache.clear()
+        self.tokenizer.clear()
         self.cache.evictions = 0
         self.stats = SimStats()
         self._rng.seed(self.config.seed)
@@ -358,6 +361,7 @@ class SimEngine:
             "cache_blocks_used": len(self.cache),
             "cache_capacity_blocks": cfg.cache_blocks,
             "cache_evictions": self.cache.evictions,
+            "tokenizer_memoised_tokens": self.tokenizer.memoised_tokens,
             "kv_usage": self.kv_usage,
             "running": self.running,
             "waiting": self.waiting,

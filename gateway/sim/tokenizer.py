@@ -3,12 +3,12 @@
 Tokenizer.  ``_PIECE`` cuts text into an optional leading space plus a run of word characters, an
 optional leading space plus a run of punctuation, or a run of whitespace (so ``"".join(pieces) ==
 text``; about one token per 4-5 characters of English, like a BPE).  A piece's id is the low 31
-bits of ``xxh3_64(piece.encode())``; ids are memoised in a bounded dict, so a 128 KB prompt
-tokenizes in a few milliseconds.  The same text gives the same ids in every process.
+bits of ``xxh3_64(piece.encode())``; a :class:`Tokenizer` memoises ids in a bounded dict, so a
+128 KB prompt tokenizes in a few milliseconds.  The same text gives the same ids in every process.
 
 Segments.  The chat template renders each message as one segment that starts with ``<|`` and
 ends with ``|>\n``, so no piece ever spans two segments and the tokens of a prompt are the
-concatenation of its segments' tokens.  :func:`encode_segments` memoises segments (bounded by a
+concatenation of its segments' tokens.  ``Tokenizer.encode_segments`` memoises segments (bounded by a
 total token budget): a shared system prompt or conversation history is tokenized once.
 
 Chat template (ChatML-like, always with the generation prompt)::
@@ -31,51 +31,65 @@ import xxhash
 
 _PIECE = re.compile(r" ?\w+| ?[^\w\s]+|\s+")
 _ID_MASK = 0x7FFFFFFF
-_MAX_MEMO = 1 << 19
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_memo: dict[str, int] = {}
-
-
-def _piece_id(piece: str) -> int:
-    if len(_memo) >= _MAX_MEMO:
-        _memo.clear()
-    tid = _memo[piece] = _xxh3(piece.encode()) & _ID_MASK
-    return tid
 
 
 def tokenize(text: str) -> list[int]:
-    """Token ids of ``text`` (deterministic, see module header)."""
-    pieces = _PIECE.findall(text)
-    ids = list(map(_memo.get, pieces))
-    if None in ids:
-        for i, tid in enumerate(ids):
-            if tid is None:
-                ids[i] = _piece_id(pieces[i])
-    return ids  # type: ignore[return-value]
+    """Token ids of ``text`` (deterministic, see module header; no memo)."""
+    return [_xxh3(piece.encode()) & _ID_MASK for piece in _PIECE.findall(text)]
 
 
-_SEGMENT_BUDGET = 1 << 21  # memoised tokens (4 bytes each)
-_segments: dict[str, array] = {}
-_segment_tokens = 0
+class Tokenizer:
+    """:func:`tokenize` with its memos: piece -> id (bounded by ``max_pieces``) and segment ->
+    ids (bounded by ``segment_budget`` tokens).  Each simulated engine owns one, as a real
+    engine owns its tokenizer, and empties it on reset: a benchmark that resets the replicas
+    between targets then makes every target pay the same tokenizing work."""
 
+    def __init__(self, max_pieces: int = 1 << 19, segment_budget: int = 1 << 21) -> None:
+        self.max_pieces = max_pieces
+        self.segment_budget = segment_budget
+        self._memo: dict[str, int] = {}
+        self._segments: dict[str, array] = {}
+        self._segment_tokens = 0
 
-def encode_segments(segments: Sequence[str]) -> array:
-    """Token ids (``array('I')``) of ``"".join(segments)``, memoising each segment."""
-    global _segment_tokens
-    out = array("I")
-    for seg in segments:
-        ids = _segments.get(seg)
-        if ids is None:
-            ids = array("I", tokenize(seg))
-            if _segment_tokens + len(ids) > _SEGMENT_BUDGET:
-                _segments.clear()
-                _segment_tokens = 0
-            if len(ids) <= _SEGMENT_BUDGET // 4:
-                _segments[seg] = ids
-                _segment_tokens += len(ids)
-        out += ids
-    return out
+    @property
+    def memoised_tokens(self) -> int:
+        """Tokens held by the segment memo (0 after :meth:`clear`)."""
+        return self._segment_tokens
+
+    def clear(self) -> None:
+        self._memo.clear()
+        self._segments.clear()
+        self._segment_tokens = 0
+
+    def tokenize(self, text: str) -> list[int]:
+        memo = self._memo
+        pieces = _PIECE.findall(text)
+        ids = list(map(memo.get, pieces))
+        if None in ids:
+            for i, tid in enumerate(ids):
+                if tid is None:
+                    if len(memo) >= self.max_pieces:
+                        memo.clear()
+                    ids[i] = memo[pieces[i]] = _xxh3(pieces[i].encode()) & _ID_MASK
+        return ids  # type: ignore[return-value]
+
+    def encode_segments(self, segments: Sequence[str]) -> array:
+        """Token ids (``array('I')``) of ``"".join(segments)``, memoising each segment."""
+        out = array("I")
+        for seg in segments:
+            ids = self._segments.get(seg)
+            if ids is None:
+                ids = array("I", self.tokenize(seg))
+                if self._segment_tokens + len(ids) > self.segment_budget:
+                    self._segments.clear()
+                    self._segment_tokens = 0
+                if len(ids) <= self.segment_budget // 4:
+                    self._segments[seg] = ids
+                    self._segment_tokens += len(ids)
+            out += ids
+        return out
 
 
 def pieces(text: str) -> list[str]:
