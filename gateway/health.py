@@ -12,38 +12,59 @@ from .replicas import Replica, ReplicaPool, parse_engine_metrics
 log = logging.getLogger("kvgate.health")
 
 
-async def check_replica(client: httpx.AsyncClient, rep: Replica, timeout: float) -> bool:
-    """One round for one replica; updates it in place and returns its health."""
+async def check_replica(
+    client: httpx.AsyncClient, rep: Replica, timeout: float, patience: int = 1
+) -> bool:
+    """One round for one replica; updates it in place and returns its health.
+
+    A replica is down at once when it says so (``/health`` answers other than 200) or when it
+    cannot be reached (refused, reset).  A probe that times out only counts a failure, and takes
+    the replica out after ``patience`` in a row (with the request path's failures: both count
+    ``rep.failures``): a busy engine's API server can answer its probes seconds late while it
+    serves requests fine.  Once ``/health`` said 200, a slow or failed ``/v1/models`` or
+    ``/metrics`` leaves the replica up (``metrics_ok`` says whether its load is fresh)."""
     try:
         resp = await client.get(rep.url + "/health", timeout=timeout)
-        alive = resp.status_code == 200
-        if alive and not rep.static_models:
+    except httpx.TimeoutException as exc:
+        log.debug("health check of %s timed out: %r", rep.id, exc)
+        rep.failures += 1
+        return _set_health(rep, rep.healthy and rep.failures < patience)
+    except httpx.HTTPError as exc:
+        log.debug("health check of %s failed: %r", rep.id, exc)
+        rep.failures += 1
+        return _set_health(rep, False)
+    if resp.status_code != 200:
+        rep.failures += 1
+        return _set_health(rep, False)
+    rep.failures = 0
+    try:
+        if not rep.static_models:
             models = await client.get(rep.url + "/v1/models", timeout=timeout)
             data = models.json().get("data", []) if models.status_code == 200 else []
             ids = frozenset(m["id"] for m in data if isinstance(m, dict) and "id" in m)
             if ids:
                 rep.models = ids
-        if alive:
-            metrics = await client.get(rep.url + "/metrics", timeout=timeout)
-            rep.metrics_ok = metrics.status_code == 200
-            if rep.metrics_ok:
-                values = parse_engine_metrics(metrics.text)
-                rep.record_engine(int(values.get("running", 0)), int(values.get("waiting", 0)),
-                                  float(values.get("kv_usage", 0.0)))  # fmt: skip
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-        log.debug("health check of %s failed: %r", rep.id, exc)
-        alive = False
-    was = rep.healthy
-    rep.healthy = alive
-    if alive:
-        rep.failures = 0
-    if was != alive:
+        metrics = await client.get(rep.url + "/metrics", timeout=timeout)
+        rep.metrics_ok = metrics.status_code == 200
+        if rep.metrics_ok:
+            values = parse_engine_metrics(metrics.text)
+            rep.record_engine(int(values.get("running", 0)), int(values.get("waiting", 0)),
+                              float(values.get("kv_usage", 0.0)))  # fmt: skip
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.debug("models/metrics of %s failed: %r", rep.id, exc)
+        rep.metrics_ok = False
+    return _set_health(rep, True)
+
+
+def _set_health(rep: Replica, alive: bool) -> bool:
+    if rep.healthy != alive:
         log.warning("replica %s is now %s", rep.id, "healthy" if alive else "unhealthy")
+    rep.healthy = alive
     return alive
 
 
 async def check_all(client: httpx.AsyncClient, pool: ReplicaPool, timeout: float) -> None:
-    await asyncio.gather(*(check_replica(client, r, timeout) for r in pool))
+    await asyncio.gather(*(check_replica(client, r, timeout, pool.eject_after) for r in pool))
 
 
 async def health_loop(client: httpx.AsyncClient, pool: ReplicaPool, interval: float, timeout: float) -> None:

@@ -283,20 +283,33 @@ async def test_load_scraper_reads_a_busy_vllm(rig):
     body = {
         "model": MODEL_NAME,
         "prompt": "count: " + uuid.uuid4().hex,
-        "max_tokens": 3000,
+        "max_tokens": 4000,  # the model's context is 4096
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
     }
+
+    async def gateway_sees(running_at_least: int, running_at_most: int):
+        replicas = (await http.get(rig.gateway + "/admin/replicas")).json()["replicas"]
+        row = next(r for r in replicas if r["id"] == replica_id)
+        return running_at_least <= row["running"] <= running_at_most and row
+
+    def still_generating() -> None:
+        if gen.done():
+            what = gen.exception() or gen.result().status_code
+            raise AssertionError(f"the request ended ({what!r}) before a scrape saw it running")
+
     async with httpx.AsyncClient(timeout=30) as http:
-        async with http.stream("POST", target.url + "/v1/completions", json=body) as stream:
-            chunks = stream.aiter_bytes()
-            assert (await chunks.__anext__()).startswith(b"data: ")  # generating now
+        # Not streamed: vLLM's API server then does little per token and answers /metrics while
+        # the engine generates (a streamed request kept it from answering for up to 10 s with the
+        # other core busy).  It runs until the test hangs up, when vLLM aborts it.
+        gen = asyncio.create_task(http.post(target.url + "/v1/completions", json=body, timeout=300))
+        try:
             rep = Replica(ReplicaConfig(target.url))
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while rep.running < 1:  # vLLM updates its gauges once per engine step
+                still_generating()
                 assert time.monotonic() < deadline, "vllm:num_requests_running never reached 1"
-                assert await check_replica(http, rep, timeout=5.0)
+                assert await check_replica(http, rep, timeout=30.0)
                 await asyncio.sleep(0.05)
             page = (await http.get(target.url + "/metrics")).text
             parsed = parse_engine_metrics(page)
@@ -306,18 +319,16 @@ async def test_load_scraper_reads_a_busy_vllm(rig):
             assert rep.models == frozenset({MODEL_NAME}) and rep.metrics_ok
             assert rep.running == 1 and rep.waiting == 0 and rep.kv_usage > 0
 
-            async def gateway_sees(running_at_least: int, running_at_most: int):
-                replicas = (await http.get(rig.gateway + "/admin/replicas")).json()["replicas"]
-                row = next(r for r in replicas if r["id"] == replica_id)
-                return running_at_least <= row["running"] <= running_at_most and row
-
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while not (row := await gateway_sees(1, 1)):
+                still_generating()
                 assert time.monotonic() < deadline, "the gateway never scraped the running request"
                 await asyncio.sleep(0.05)
             assert row["kv_usage"] > 0 and row["waiting"] == 0
-        # The client hung up: vLLM aborts the request and the gateway's next scrape says so.
-        deadline = time.monotonic() + 20
+        finally:
+            gen.cancel()  # the client hangs up
+        # vLLM aborts the request and the gateway's next scrape says so.
+        deadline = time.monotonic() + 60
         while not (row := await gateway_sees(0, 0)):
             assert time.monotonic() < deadline, "the gateway never saw the request end"
             await asyncio.sleep(0.05)

@@ -17,6 +17,8 @@ class SimFaults:
       streaming), then drop the connection without a proper end.  ``None`` = off.
     * ``stall_after_chunks``: the same, but stall forever (until the client disconnects).
     * ``unhealthy``: ``GET /health`` answers 503 (inference still works).
+    * ``probe_delay_s``: ``GET /health`` and ``GET /metrics`` answer this many seconds late, as a
+      busy engine's API server does (inference still works).
     """
 
     error_rate: float = 0.0
@@ -24,12 +26,16 @@ class SimFaults:
     close_after_chunks: int | None = None
     stall_after_chunks: int | None = None
     unhealthy: bool = False
+    probe_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.error_rate, bool) or not isinstance(self.error_rate, int | float):
             raise ValueError("error_rate must be a number")
         if not 0.0 <= float(self.error_rate) <= 1.0:
             raise ValueError("error_rate must be in [0, 1]")
+        delay = self.probe_delay_s
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 3600:
+            raise ValueError("probe_delay_s must be a number of seconds in [0, 3600]")
         for name in ("hang", "unhealthy"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")

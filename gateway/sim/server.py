@@ -191,13 +191,19 @@ class SimApp:
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._send(send, 200, self._models_body)
 
+    async def _probe_delay(self) -> None:
+        if self.engine.faults.probe_delay_s > 0:
+            await asyncio.sleep(self.engine.faults.probe_delay_s)
+
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._probe_delay()
         if self.engine.faults.unhealthy:
             await self._error(send, ApiError(503, "simulated unhealthy replica", "server_error"))
         else:
             await self._send(send, 200, b"")
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._probe_delay()
         await self._send(send, 200, self.engine.metrics_text(), [_PROM])
 
     async def _state(self, scope: Scope, receive: Receive, send: Send) -> None:
