@@ -19,7 +19,7 @@ subcommands:
   demo    run a gateway and 3 simulated replicas in one process, with usage examples
   up      run compose.yaml's services (gateways, replicas, redis, nginx...) as local processes
   agent   run a worker agent: tiered KV block store, block data port, KV events, control API
-  bench   benchmarks (routing quality, proxy overhead, KV transfers): `kvgate bench NAME --help`
+  bench   benchmarks (routing quality, proxy overhead, KV transfers, policy cost): `kvgate bench NAME --help`
 """
 
 # name -> (module with add_arguments(parser) and run(args) -> int, one-line summary)
@@ -27,6 +27,7 @@ BENCHES = {
     "routing": ("gateway.bench.routing", "routing quality of every policy and the peer routers"),
     "proxy": ("gateway.bench.proxy", "gateway overhead against instant mock replicas"),
     "transfer": ("worker_agent.bench_transfer", "KV tier moves and transports vs the machine's limits"),
+    "policy": ("policies.bench_policy", "per-request policy cost and the prefix index's memory"),
 }
 
 

@@ -1,6 +1,6 @@
 """Microbenchmark: per-request policy cost and prefix-index memory.
 
-Run ``python -m policies.bench_policy`` (``--help`` for options).  For every policy it measures
+Run ``kvgate bench policy`` or ``python -m policies.bench_policy`` (``--help`` for options).  For every policy it measures
 ``select`` + ``on_dispatch`` per request at ``--replicas`` replicas with ``--hashes``-hash prompts
 (512 hashes x 64 tokens = 32k tokens) against a warm index:
 
@@ -8,6 +8,12 @@ Run ``python -m policies.bench_policy`` (``--help`` for options).  For every pol
 * ``cold``: a prompt nobody has seen (512 new hashes to record),
 
 and the index's memory per million recorded blocks, measured with tracemalloc (hash ints included).
+
+A request's cost is everything the gateway calls for it: ``select``, ``on_dispatch``, and later
+``on_first_token`` and ``on_complete``.  The benchmark keeps ``--in-flight`` requests outstanding
+(8 per replica by default) and finishes the oldest after each dispatch, so the policy's
+per-request state sits at the size a steady load gives it (with no request ever finishing, the
+in-flight bookkeeping grows to its caps, which no gateway reaches).
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import random
 import statistics
 import time
 import tracemalloc
+from collections import deque
 
-from . import ClusterView, PolicyDeps, PrefixIndex, ReplicaState, RequestFeatures, default_registry
+from . import PolicyDeps, PrefixIndex, default_registry
 from .base import rendezvous_order
+from .types import ClusterView, Outcome, ReplicaState, RequestFeatures
 
 POLICIES = ("round_robin", "random", "least_load", "session", "prefix", "cache_aware")
 
@@ -42,16 +50,30 @@ def _features(chain: tuple[int, ...], key: str | None) -> RequestFeatures:
     return RequestFeatures("m", chain, 64, len(chain) * 64, 256, key)
 
 
-def bench_policy(name: str, replicas: int, hashes: int, sessions: int, requests: int) -> dict:
+def _finish(policy, req: RequestFeatures, decision) -> None:
+    """What the gateway reports once the request's first token and its end came back."""
+    policy.on_first_token(req, decision.replica)
+    cached = decision.predicted_cached_tokens
+    policy.on_complete(req, decision.replica, Outcome(True, req.prompt_tokens, cached, 0.3, 0.02, cached))
+
+
+def bench_policy(name: str, replicas: int, hashes: int, sessions: int, requests: int,
+                 in_flight: int | None = None) -> dict:  # fmt: skip
+    window = 8 * replicas if in_flight is None else in_flight
     rng = random.Random(1)
     deps = PolicyDeps(clock=time.monotonic, index=PrefixIndex(default_capacity=1 << 17))
     policy = default_registry().build(name, {}, deps)
     system = _chain(rng, 32)
     convs = [_chain(rng, hashes - 32 - 1, system) for _ in range(sessions)]
+    outstanding: deque = deque()
     for i, chain in enumerate(convs):  # warm the index and the session table
         view = _view(rng, replicas)
         req = _features(chain, f"s{i}")
-        policy.on_dispatch(req, policy.select(req, view), view)
+        decision = policy.select(req, view)
+        policy.on_dispatch(req, decision, view)
+        outstanding.append((req, decision))
+        if len(outstanding) > window:
+            _finish(policy, *outstanding.popleft())
     out = {}
     for scenario in ("warm", "cold"):
         reqs = []
@@ -68,7 +90,11 @@ def bench_policy(name: str, replicas: int, hashes: int, sessions: int, requests:
         for k, req in enumerate(reqs):
             v = views[k % 64]
             t0 = time.perf_counter_ns()
-            policy.on_dispatch(req, policy.select(req, v), v)
+            decision = policy.select(req, v)
+            policy.on_dispatch(req, decision, v)
+            outstanding.append((req, decision))
+            if len(outstanding) > window:
+                _finish(policy, *outstanding.popleft())
             times.append(time.perf_counter_ns() - t0)
         gc.enable()
         times.sort()
@@ -99,26 +125,41 @@ def bench_memory(blocks: int, chain_len: int, replicas: int, copies: int) -> tup
     return used / total, used / (total * copies)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--hashes", type=int, default=512, help="prefix hashes per prompt (x64 tokens)")
     ap.add_argument("--sessions", type=int, default=400, help="conversations in the warm index")
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--in-flight", type=int, default=None,
+                    help="requests outstanding at once (default 8 per replica)")
     ap.add_argument("--memory-blocks", type=int, default=1 << 20)
-    args = ap.parse_args(argv)
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the cost table (and each policy's mean against round_robin's in the same run) and
+    the index's memory per million blocks."""
+    names = [n for n in args.policies.split(",") if n]
+    unknown = sorted(set(names) - set(POLICIES))
+    if unknown:
+        raise SystemExit(f"unknown policies: {', '.join(unknown)} (known: {', '.join(POLICIES)})")
     print(
-        f"per-request select + on_dispatch, {args.replicas} replicas, {args.hashes} hashes "
-        f"({args.hashes * 64} tokens), {args.sessions} warm conversations, microseconds"
+        f"per request: select + on_dispatch + on_first_token + on_complete, {args.replicas} "
+        f"replicas, {args.hashes} hashes ({args.hashes * 64} tokens), {args.sessions} warm "
+        f"conversations, {args.in_flight or 8 * args.replicas} in flight, microseconds"
     )
     print(
-        f"{'policy':<12} {'warm mean':>10} {'p50':>8} {'p99':>8}   {'cold mean':>10} {'p50':>8} {'p99':>8}"
+        f"{'policy':<12} {'warm mean':>10} {'p50':>8} {'p99':>8}   {'cold mean':>10} {'p50':>8} "
+        f"{'p99':>8}   {'warm x rr':>9} {'cold x rr':>9}"
     )
-    for name in POLICIES:
-        res = bench_policy(name, args.replicas, args.hashes, args.sessions, args.requests)
+    sizes = (args.replicas, args.hashes, args.sessions, args.requests, args.in_flight)
+    base = bench_policy("round_robin", *sizes)
+    for name in names:
+        res = base if name == "round_robin" else bench_policy(name, *sizes)
         w, c = res["warm"], res["cold"]
         print(
-            f"{name:<12} {w[0]:>10.1f} {w[1]:>8.1f} {w[2]:>8.1f}   {c[0]:>10.1f} {c[1]:>8.1f} {c[2]:>8.1f}"
+            f"{name:<12} {w[0]:>10.1f} {w[1]:>8.1f} {w[2]:>8.1f}   {c[0]:>10.1f} {c[1]:>8.1f} "
+            f"{c[2]:>8.1f}   {w[0] / base['warm'][0]:>9.1f} {c[0] / base['cold'][0]:>9.1f}"
         )
     for copies in (1, 2):
         per_block, per_holding = bench_memory(
@@ -129,7 +170,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{per_block:.0f} B/block -> {per_block:.0f} MB per million blocks "
             f"({per_holding:.0f} B per replica-block)"
         )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

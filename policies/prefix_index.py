@@ -43,7 +43,7 @@ Algorithm (keep this header in sync with the code):
   recently used holding goes (any number of replicas can come and go: ``drop_replica``).
 * Events.  ``apply_events`` takes engine/agent KV events: stored runs (``(parent_hash, hashes)``,
   the parent ``None`` for a chain from the root), removed hashes and a cleared flag.
-* Memory (tracemalloc, hash ints included; ``python -m policies.bench_policy``): about 85 MB per
+* Memory (tracemalloc, hash ints included; ``kvgate bench policy``): about 85 MB per
   million blocks recorded in long chains (512-hash nodes), about 107 MB per million in 16-hash
   nodes; another replica holding the same node adds about 110 bytes per node, not per block.
 

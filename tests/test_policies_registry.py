@@ -169,3 +169,20 @@ def test_policies_package_imports_no_io_libraries() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+
+
+def test_policy_bench_keeps_a_steady_in_flight_window_and_reports_every_policy(capsys) -> None:
+    from gateway.cli import main as cli_main
+    from policies.bench_policy import POLICIES, bench_policy
+
+    res = bench_policy("cache_aware", replicas=4, hashes=16, sessions=10, requests=40, in_flight=8)
+    for scenario in ("warm", "cold"):
+        mean, p50, p99 = res[scenario]
+        assert 0 < p50 <= p99 and mean > 0
+    argv = ["bench", "policy", "--replicas", "4", "--hashes", "16", "--sessions", "10",
+            "--requests", "40", "--memory-blocks", "2048"]  # fmt: skip
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines()]
+    assert all(name in rows for name in POLICIES), out
+    assert "32 in flight" in out and "MB per million blocks" in out
