@@ -19,16 +19,16 @@ streamed response in one body write.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 
 from . import kvpull
+from .asgi import Receive, Scope, Send, forever, read_body, until_disconnect, wait_disconnect
 from .config import SimConfig
 from .engine import SimEngine
 from .model import PromptBlocks, output_pieces
@@ -44,9 +44,6 @@ from .protocol import (
     usage,
 )
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _JSON = (b"content-type", b"application/json")
@@ -61,51 +58,6 @@ class SimulatedDisconnect(Exception):
 
 class _Cut(Exception):
     """Internal: the chunk budget of a close/stall fault is used up."""
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or ``None`` when the client disconnected first."""
-    msg = await receive()
-    if msg["type"] != "http.request":
-        return None
-    body = msg.get("body", b"")
-    if not msg.get("more_body", False):
-        return body
-    parts = [body]
-    while True:
-        msg = await receive()
-        if msg["type"] != "http.request":
-            return None
-        parts.append(msg.get("body", b""))
-        if not msg.get("more_body", False):
-            return b"".join(parts)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _forever() -> None:
-    await asyncio.get_running_loop().create_future()
-
-
-async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -> None:
-    """Run ``work``; if the client disconnects first, cancel it and return quietly."""
-    loop = asyncio.get_running_loop()
-    task = loop.create_task(work)
-    watch = loop.create_task(_wait_disconnect(receive))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled() or not task.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return
-    task.result()  # re-raise SimulatedDisconnect and the like
 
 
 class SimApp:
@@ -213,7 +165,7 @@ class SimApp:
         await self._send(send, 200, orjson.dumps({"faults": self.engine.faults.to_dict()}))
 
     async def _set_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:
             return
         try:
@@ -231,7 +183,7 @@ class SimApp:
         await self._send(send, 200, orjson.dumps(self.engine.state()))
 
     async def _kv_lookup(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:
             return
         try:
@@ -251,7 +203,7 @@ class SimApp:
         await self._completion(receive, send, chat=False)
 
     async def _completion(self, receive: Receive, send: Send, *, chat: bool) -> None:
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:
             return
         engine = self.engine
@@ -268,7 +220,7 @@ class SimApp:
             return
         faults = engine.faults
         if faults.hang:
-            await _wait_disconnect(receive)
+            await wait_disconnect(receive)
             return
         if req.token_ids is not None:
             prompt = engine.prompt_from_ids(req.token_ids)
@@ -283,7 +235,7 @@ class SimApp:
         if cfg.instant and faults.stall_after_chunks is None:
             await work
         else:
-            await _until_disconnect(work, receive)
+            await until_disconnect(work, receive)
 
     def _cut_budget(self) -> int | None:
         f = self.engine.faults
@@ -297,7 +249,7 @@ class SimApp:
             f.stall_after_chunks is None or f.close_after_chunks <= f.stall_after_chunks
         ):
             raise SimulatedDisconnect("close_after_chunks fault")
-        await _forever()
+        await forever()
 
     async def _peer(self, hint: kvpull.PullHint | None, prompt: PromptBlocks):
         if hint is None:
