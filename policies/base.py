@@ -40,7 +40,12 @@ class BasePolicy:
 
     def eligible(self, req: RequestFeatures, view: ClusterView) -> list[ReplicaState]:
         """Healthy, non-draining replicas that serve the request's model."""
-        out = [r for r in view.replicas if r.healthy and not r.draining and r.serves(req.model)]
+        model = req.model  # r.serves(model), inlined: this runs for every request
+        out = [
+            r
+            for r in view.replicas
+            if r.healthy and not r.draining and (not r.models or model in r.models)
+        ]
         if not out:
             raise NoReplicaError(req.model)
         return out

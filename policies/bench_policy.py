@@ -9,6 +9,10 @@ Run ``kvgate bench policy`` or ``python -m policies.bench_policy`` (``--help`` f
 
 and the index's memory per million recorded blocks, measured with tracemalloc (hash ints included).
 
+``--rounds`` repeats every policy's run (each on fresh state, the policies in turn within a
+round) and reports the median of each figure: one run's mean moves by a third between runs on a
+shared machine.
+
 A request's cost is everything the gateway calls for it: ``select``, ``on_dispatch``, and later
 ``on_first_token`` and ``on_complete``.  The benchmark keeps ``--in-flight`` requests outstanding
 (8 per replica by default) and finishes the oldest after each dispatch, so the policy's
@@ -125,6 +129,13 @@ def bench_memory(blocks: int, chain_len: int, replicas: int, copies: int) -> tup
     return used / total, used / (total * copies)
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """Each scenario's (mean, p50, p99), each the median over the runs."""
+    return {
+        s: tuple(statistics.median(r[s][i] for r in runs) for i in range(3)) for s in ("warm", "cold")
+    }
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--hashes", type=int, default=512, help="prefix hashes per prompt (x64 tokens)")
@@ -134,6 +145,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="requests outstanding at once (default 8 per replica)")
     ap.add_argument("--memory-blocks", type=int, default=1 << 20)
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
+    ap.add_argument("--rounds", type=int, default=3, help="runs per policy; medians are reported")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,17 +158,23 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"per request: select + on_dispatch + on_first_token + on_complete, {args.replicas} "
         f"replicas, {args.hashes} hashes ({args.hashes * 64} tokens), {args.sessions} warm "
-        f"conversations, {args.in_flight or 8 * args.replicas} in flight, microseconds"
+        f"conversations, {args.in_flight or 8 * args.replicas} in flight, microseconds, median of "
+        f"{max(1, args.rounds)} run(s)"
     )
     print(
         f"{'policy':<12} {'warm mean':>10} {'p50':>8} {'p99':>8}   {'cold mean':>10} {'p50':>8} "
         f"{'p99':>8}   {'warm x rr':>9} {'cold x rr':>9}"
     )
     sizes = (args.replicas, args.hashes, args.sessions, args.requests, args.in_flight)
-    base = bench_policy("round_robin", *sizes)
+    order = ["round_robin", *[n for n in names if n != "round_robin"]]
+    runs: dict[str, list[dict]] = {n: [] for n in order}
+    for _ in range(max(1, args.rounds)):
+        for name in order:
+            runs[name].append(bench_policy(name, *sizes))
+    results = {n: _median_run(r) for n, r in runs.items()}
+    base = results["round_robin"]
     for name in names:
-        res = base if name == "round_robin" else bench_policy(name, *sizes)
-        w, c = res["warm"], res["cold"]
+        w, c = results[name]["warm"], results[name]["cold"]
         print(
             f"{name:<12} {w[0]:>10.1f} {w[1]:>8.1f} {w[2]:>8.1f}   {c[0]:>10.1f} {c[1]:>8.1f} "
             f"{c[2]:>8.1f}   {w[0] / base['warm'][0]:>9.1f} {c[0] / base['cold'][0]:>9.1f}"

@@ -121,6 +121,12 @@ from .slots import SlotTimeline
 from .types import ClusterView, Decision, Outcome, RequestFeatures
 from .warming import Warming
 
+_COLD: tuple[int, bool, None] = (0, False, None)  # a replica that holds none of the prefix
+
+
+def _BY_BOUND_THEN_TTFT(s: Score) -> tuple[bool, float]:  # noqa: N802 - a sort key
+    return s.over, s.ttft
+
 
 class CacheAware(BasePolicy):
     name = "cache_aware"
@@ -152,51 +158,66 @@ class CacheAware(BasePolicy):
 
     def select(self, req: RequestFeatures, view: ClusterView) -> Decision:
         replicas = self.eligible(req, view)
-        total = prompt_tokens(req)
-        matched = self._index.match(req.prefix_hashes) if req.prefix_hashes else {}
-        loads = [r.load for r in replicas]
-        limit = self._limit(loads)
-        queue_ms = self.queue_ms
-        pf = self._p.prefill_ms_per_token
+        p = self._p
+        hashes = req.prefix_hashes
+        total = req.prompt_tokens or len(hashes) * req.tokens_per_hash
+        matched = self._index.match(hashes) if hashes else {}
         now = self._clock()
-        hits, warm, waits = self._ready_hits(req, replicas, matched, total, now)
-        holder, top = self._holder(replicas, loads, hits)
-        exempt = top if top and any(warm) else -1  # a copy in flight: its source may exceed the bound
-        tie = self._p.tie_ms
-        blocks = self._index.blocks
+        loads = [max(r.in_flight, r.running + r.waiting) for r in replicas]  # ReplicaState.load
+        limit = self._limit(loads)
+        ready = self._ready_hits(req, replicas, matched, total, now) if matched else {}
+        holder, top = self._holder(replicas, loads, ready)
+        exempt = top if top and any(v[1] for v in ready.values()) else -1  # a copy in flight: its source may exceed the bound
+        pf = p.prefill_ms_per_token
+        busy = p.busy_ms_per_request
+        free = p.max_running - 1  # up to this many in flight, a newcomer does not queue
+        queue_ms = self.queue_ms
         scored: list[Score] = []
         pulls: list[Score] = []  # the same replicas, pulling from the holder first
-        for r, load, hit, w, wait in zip(replicas, loads, hits, warm, waits, strict=True):
-            q = queue_ms(load, r.waiting, r.id, now)
+        for r, load in zip(replicas, loads, strict=True):
+            rid = r.id
+            waiting = r.waiting
+            q = load * busy if load <= free and waiting <= 0 else queue_ms(load, waiting, rid, now)
+            hit, w, wait = ready.get(rid, _COLD)
             over = load > limit and hit != exempt
             ttft = q + (total - hit) * pf
             if wait is not None and q + wait[1] + (total - wait[0]) * pf < ttft:
-                full, hold_ms = wait  # cheaper to wait for the prefill in flight than recompute
-                scored.append(Score(over, q + hold_ms + (total - full) * pf, r.id, full, load, 0,
-                                     0.0, w, blocks(r.id), hold_ms))  # fmt: skip
+                hit, hold_ms = wait  # cheaper to wait for the prefill in flight than recompute
+                ttft = q + hold_ms + (total - hit) * pf
+                score = Score(over, ttft, rid, hit, load, 0, 0.0, w, hold_ms)
             else:
-                scored.append(Score(over, ttft, r.id, hit, load, 0, 0.0, w, blocks(r.id)))
-            pull, pull_ms = self._pull(top - hit) if holder is not None else (0, 0.0)
-            if pull and load <= limit:
-                have = hit + pull
-                pulls.append(Score(False, q + (total - have) * pf + pull_ms, r.id, have, load,
-                                    pull, pull_ms))  # fmt: skip
-        best = min(s.ttft for s in scored if not s.over)
-        best_pull = min((s.ttft for s in pulls), default=best)
-        if best_pull + self._p.pull_margin_ms < best:  # a pull must win by a margin (header)
+                score = Score(over, ttft, rid, hit, load, 0, 0.0, w)
+            scored.append(score)
+            if holder is not None and load <= limit:
+                pull, pull_ms = self._pull(top - hit)
+                if pull:
+                    have = hit + pull
+                    pulls.append(Score(False, q + (total - have) * pf + pull_ms, rid, have, load,
+                                        pull, pull_ms))  # fmt: skip
+        return self._decide(req, scored, pulls, holder, matched, total)
+
+    def _decide(self, req: RequestFeatures, scored: list[Score], pulls: list[Score],
+                holder: str | None, matched: dict[str, int], total: int) -> Decision:  # fmt: skip
+        """Pick among the ties (see the header) and build the decision."""
+        p = self._p
+        best = min([s.ttft for s in scored if not s.over])
+        tie = p.tie_ms
+        best_pull = min([s.ttft for s in pulls]) if pulls else best
+        if best_pull + p.pull_margin_ms < best:  # a pull must win by a margin (header)
             ties = [s for s in pulls if s.ttft <= best_pull + tie]
         else:
             ties = [s for s in scored if not s.over and s.ttft <= best + tie]
         bound_id = self._sessions.peek(req.session_key) if req.session_key is not None else None
-        chosen = pick(ties, bound_id, req)
+        chosen = ties[0] if len(ties) == 1 else pick(ties, bound_id, req, self._index.blocks)
         hit = chosen.hit
-        rest = sorted((s for s in scored if s.id != chosen.id), key=lambda s: (s.over, s.ttft))
-        prefill_ms = (total - hit) * pf + chosen.pull_ms
+        cid = chosen.id
+        scored.sort(key=_BY_BOUND_THEN_TTFT)
+        prefill_ms = (total - hit) * p.prefill_ms_per_token + chosen.pull_ms
         hold_ms = chosen.hold_ms
         return Decision(
             replica=chosen.id,
-            alternates=tuple(s.id for s in rest),
-            reason=reason_for(chosen, scored, ties, bound_id),
+            alternates=tuple([s.id for s in scored if s.id != cid]),
+            reason=reason_for(chosen, max([s.hit for s in scored]), ties, bound_id),
             predicted_cached_tokens=hit,
             scores={
                 "ttft_ms": chosen.ttft,
@@ -223,38 +244,39 @@ class CacheAware(BasePolicy):
 
     def _ready_hits(
         self, req: RequestFeatures, replicas: list, matched: dict[str, int], total: int, now: float
-    ) -> tuple[list[int], list[bool], list[tuple[int, float] | None]]:
-        """Per replica: cached tokens that exist now (not still being computed); whether part of
-        the match is still being computed there; and then (with ``wait_for_prefill``) the
-        tokens cached once it is, and the ms until then."""
+    ) -> dict[str, tuple[int, bool, tuple[int, float] | None]]:
+        """Per replica that matches: cached tokens that exist now (not still being computed);
+        whether part of the match is still being computed there; and then (with
+        ``wait_for_prefill``) the tokens cached once it is, and the ms until then."""
         warming = self._warming
         hashes = req.prefix_hashes
         tph = req.tokens_per_hash
         block = self._p.engine_block_tokens
         wait = self._p.wait_for_prefill
-        hits: list[int] = []
-        warm: list[bool] = []
-        waits: list[tuple[int, float] | None] = []
+        out: dict[str, tuple[int, bool, tuple[int, float] | None]] = {}
         for r in replicas:
-            m = matched.get(r.id, 0)
-            k = warming.ready(r.id, hashes, m, now) if m else 0
-            hits.append(engine_hit(k * tph, total, block, tph // 4))
-            warm.append(k < m)
+            m = matched.get(r.id)
+            if not m:
+                continue
+            k = warming.ready(r.id, hashes, m, now)
+            hit = engine_hit(k * tph, total, block, tph // 4) if block > 1 else min(k * tph, total)
             if k < m and wait:
                 until = warming.until(r.id, hashes, m, now)
-                waits.append((engine_hit(m * tph, total, block, tph // 4), (until - now) * 1000))
+                full = engine_hit(m * tph, total, block, tph // 4)
+                out[r.id] = (hit, True, (full, (until - now) * 1000))
             else:
-                waits.append(None)
-        return hits, warm, waits
+                out[r.id] = (hit, k < m, None)
+        return out
 
     def _holder(
-        self, replicas: list, loads: list[int], hits: list[int]
+        self, replicas: list, loads: list[int], ready: dict[str, tuple]
     ) -> tuple[str | None, int]:
         """The least loaded replica with the longest hit, when migration is on and it matters."""
-        top = max(hits)
+        top = max((v[0] for v in ready.values()), default=0)
         if not self._p.migrate or top < self._p.migrate_min_tokens:
             return None, top
-        i = min((i for i, h in enumerate(hits) if h == top), key=loads.__getitem__)
+        i = min((i for i, r in enumerate(replicas) if ready.get(r.id, _COLD)[0] == top),
+                key=loads.__getitem__)  # fmt: skip
         return replicas[i].id, top
 
     def _pull(self, missing: int) -> tuple[int, float]:

@@ -3,6 +3,7 @@ parameters, a replica's score, the pick among ties and the reason it gives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -61,14 +62,14 @@ class Score(NamedTuple):
     pull: int = 0  # tokens to pull from the holder first
     pull_ms: float = 0.0
     warm: bool = False  # still computing part of this prompt's prefix (a copy in flight)
-    blocks: int = 0  # blocks the index records for the replica (its cache footprint)
     hold_ms: float = 0.0  # wait at the gateway for a prefill in flight there first
 
 
-def pick(ties: list[Score], bound_id: str | None, req: RequestFeatures) -> Score:
+def pick(ties: list[Score], bound_id: str | None, req: RequestFeatures,
+         footprint: Callable[[str], int]) -> Score:  # fmt: skip
     """The session's replica if it ties; else the ties already computing this prefix, if any;
-    then among the least loaded of those: the longest hit, the smallest cache footprint, and
-    rendezvous."""
+    then among the least loaded of those: the longest hit, the smallest cache footprint (blocks
+    the index records for it), and rendezvous."""
     if len(ties) == 1:
         return ties[0]
     for s in ties:
@@ -79,16 +80,16 @@ def pick(ties: list[Score], bound_id: str | None, req: RequestFeatures) -> Score
     seed = rendezvous_seed(rendezvous_key(req))
     return max(
         (s for s in ties if s.load <= low),
-        key=lambda s: (s.hit, -s.blocks, hrw_weight(seed, s.id)),
+        key=lambda s: (s.hit, -footprint(s.id), hrw_weight(seed, s.id)),
     )
 
 
-def reason_for(chosen: Score, scored: list[Score], ties: list[Score], bound_id: str | None) -> str:
+def reason_for(chosen: Score, top: int, ties: list[Score], bound_id: str | None) -> str:
+    """Why ``chosen`` won (``top``: the longest hit any replica scored)."""
     if chosen.pull:
         return "migrate"
     if chosen.hold_ms:
         return "prefill-wait"
-    top = max(s.hit for s in scored)
     if top > chosen.hit and not any(s.hit == top for s in ties):
         return "load-fallback"  # a longer match lost on load or the bound
     if chosen.id == bound_id:

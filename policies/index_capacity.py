@@ -67,9 +67,11 @@ class CapacityModel:
 
     def _since(self, replica_id: str, hashes: Sequence[int], k: int) -> float | None:
         """When the replica first got the node holding ``hashes[k]`` (None if it does not)."""
-        node = self._where.get(hashes[k]) if k < len(hashes) else None
-        stamp = self._lru[replica_id].stamp.get(node) if node is not None else None  # type: ignore[arg-type]
-        return None if stamp is None else stamp[2]
+        for node, covered in self._walk(hashes):
+            if node.start <= k < node.start + covered:
+                stamp = self._lru[replica_id].stamp.get(node)
+                return None if stamp is None else stamp[2]
+        return None
 
     def _evict(self, replica_id: str) -> None:
         excess = self._blocks[replica_id] - self._effective[replica_id]
@@ -82,7 +84,7 @@ class CapacityModel:
             excess -= self._shrink_holding(replica_id, node, max(0, h - excess))
 
     def _enforce_total(self) -> None:
-        while len(self._where) > self.max_total_blocks:
+        while self._stored > self.max_total_blocks:
             heads = [(e, rid) for rid, lru in self._lru.items() if (e := lru.oldest()) is not None]
             entry, rid = min(heads, key=lambda x: x[0][0])
             self._shrink_holding(rid, entry[4], 0)

@@ -5,9 +5,12 @@ Algorithm (keep this header in sync with the code):
 * Input.  A request's prefix is a chain of hashes ``h_0..h_{n-1}`` (see :mod:`policies.hashing`):
   ``h_i`` names the whole prefix ``0..i``, so equal hashes at position ``i`` imply equal prefixes and
   a hash has one intrinsic depth ``i``.  The index relies on this (collisions are 2^-64 events).
-* Storage: a radix forest over hashes, flattened.  A node holds a contiguous run ``seg`` of one
-  chain, starting at depth ``start``; every stored hash maps to its node in one dict ``where``
-  (hash -> node), so each hash lives in exactly one node.  ``node.held[replica] = k`` says the
+* Storage: a radix forest over hashes, flattened.  A node holds a contiguous run ``seg`` (a list)
+  of one chain, starting at depth ``start``; each hash lives in exactly one node.  One dict
+  ``where`` maps each node's first hash to the node: that is all ``match`` and ``insert`` look
+  up, so recording a new 32k-token prompt (512 hashes) is one dict entry, not 512.  With
+  ``by_hash`` (set by the first KV event that names a block inside a chain, see
+  ``index_events``) it maps every stored hash to its node.  ``node.held[replica] = k`` says the
   replica holds the first ``k`` blocks of ``seg`` (always a prefix of the segment: a replica that
   lost block ``j`` cannot use blocks after it).  ``node.parent_hash`` is ``h_{start-1}``.
 * match(chain): ``node = where[h_0]``; compare the chain with ``node.seg`` (last element first; on a
@@ -20,6 +23,7 @@ Algorithm (keep this header in sync with the code):
   so every node on a path is used whole and recency stays exact per node.  The unmatched tail
   becomes a new node -- or extends the path's last node when nothing else hangs from that node's
   end (``forked``), so a conversation's turns stay one node and paths stay 1-3 nodes long.
+  ``truncate`` and the learning's lookups walk the chain the same way.
 * Capacity model (LRU per replica, over nodes).  Each replica stamps the nodes it holds with a
   tick of one counter (``index_parts.Recency``: stamps plus a lazily cleaned heap).  An insert
   stamps the path leaf first and root last, so a parent is always at least as recent as its
@@ -41,11 +45,14 @@ Algorithm (keep this header in sync with the code):
   converges to its share of the engine's cache.
 * Bounded memory.  ``max_total_blocks`` caps the distinct blocks stored; above it the globally least
   recently used holding goes (any number of replicas can come and go: ``drop_replica``).
-* Events.  ``apply_events`` takes engine/agent KV events: stored runs (``(parent_hash, hashes)``,
-  the parent ``None`` for a chain from the root), removed hashes and a cleared flag.
-* Memory (tracemalloc, hash ints included; ``kvgate bench policy``): about 85 MB per
-  million blocks recorded in long chains (512-hash nodes), about 107 MB per million in 16-hash
-  nodes; another replica holding the same node adds about 110 bytes per node, not per block.
+  ``_stored`` counts the distinct blocks (the sum of the segments' lengths).
+* Events (``index_events``).  ``apply_events`` takes engine/agent KV events: stored runs
+  (``(parent_hash, hashes)``, the parent ``None`` for a chain from the root), removed hashes and a
+  cleared flag.
+* Memory (tracemalloc, hash ints included; ``kvgate bench policy``): about 45 MB per million
+  blocks recorded in long chains (512-hash nodes), about 82 MB per million in 16-hash nodes
+  (85 and 120 with ``by_hash``); another replica holding the same node adds about 110 bytes per
+  node, not per block.
 
 ``now`` is the gateway's monotonic clock; a missing or earlier ``now`` counts as the latest seen, so
 stamps never go back in time (``expire`` relies on it).  Not thread-safe; the gateway calls it from
@@ -56,17 +63,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import chain as _chain
 from itertools import repeat
 
 from .index_capacity import CapacityModel
+from .index_events import KvEvents
 from .index_parts import Node, Recency, common_prefix
 
 _consume = deque(maxlen=0).extend
 
 
 
-class PrefixIndex(CapacityModel):
+class PrefixIndex(CapacityModel, KvEvents):
     """Which replica holds which prefix blocks, with a per-replica LRU capacity model."""
 
     def __init__(
@@ -78,6 +85,7 @@ class PrefixIndex(CapacityModel):
         shrink: float = 0.1,
         grow: float = 0.02,
         settle_s: float = 10.0,
+        by_hash: bool = False,
     ) -> None:
         if default_capacity < 1 or max_total_blocks < 1 or min_capacity < 1:
             raise ValueError("capacities must be >= 1")
@@ -90,7 +98,9 @@ class PrefixIndex(CapacityModel):
         self.shrink = shrink
         self.grow = grow
         self.settle_s = settle_s
-        self._where: dict[int, Node] = {}
+        self._where: dict[int, Node] = {}  # first hash of each node (every hash once by_hash)
+        self._by_hash = by_hash
+        self._stored = 0  # distinct blocks stored: the sum of the segments' lengths
         self._lru: dict[str, Recency] = {}
         self._tick = 0
         self._now = 0.0
@@ -197,11 +207,12 @@ class PrefixIndex(CapacityModel):
                 node = Node(i, hs[i - 1] if i else None)
                 k = self._register(tail, node)
                 if k:
-                    node.seg = tail[:k]
+                    node.seg = list(tail[:k])
                     node.held[replica_id] = k
                     self._nodes += 1
                     path.append(node)
             added += k
+            self._stored += k
         tick = self._tick
         for node in reversed(path):
             tick += 1
@@ -212,62 +223,14 @@ class PrefixIndex(CapacityModel):
         self._enforce_total()
         return added
 
-    def insert_after(
-        self, replica_id: str, parent_hash: int, hashes: Sequence[int], now: float | None = None
-    ) -> int:
-        """Record a run that continues the stored block ``parent_hash`` (an engine BlockStored).
-
-        The replica is taken to hold the parent's whole prefix too.  Returns the blocks newly
-        recorded, or -1 when the parent is unknown (the event is counted as an orphan).
-        """
-        prefix = self._prefix_through(parent_hash)
-        if prefix is None:
-            self._orphan_events += 1
-            return -1
-        return self.insert(replica_id, prefix + tuple(hashes), now)
-
-    def remove(self, replica_id: str, hashes: Iterable[int]) -> int:
-        """Forget that the replica holds these blocks (and the rest of each one's node after it)."""
-        where = self._where
-        firsts: dict[Node, list[int]] = {}
-        for h in hashes:
-            node = where.get(h)
-            if node is not None and replica_id in node.held:
-                firsts.setdefault(node, []).append(h)
-        removed = 0
-        for node, hs in firsts.items():
-            if len(hs) == 1:
-                cut = node.seg.index(hs[0])
-            else:
-                pos = dict(zip(node.seg, range(len(node.seg)), strict=True))
-                cut = min(pos[h] for h in hs)
-            removed += self._shrink_holding(replica_id, node, cut)
-        return removed
-
     def truncate(self, replica_id: str, hashes: Sequence[int], keep: int) -> int:
         """Forget the replica's blocks of the chain ``hashes`` beyond its first ``keep``."""
-        keep = max(0, keep)
-        return self.remove(replica_id, hashes[keep:]) if keep < len(hashes) else 0
-
-    def apply_events(
-        self,
-        replica_id: str,
-        stored: Iterable[tuple[int | None, Sequence[int]]] = (),
-        removed: Iterable[int] = (),
-        cleared: bool = False,
-        now: float | None = None,
-    ) -> None:
-        """Apply KV events from a replica's engine or agent, in the order cleared, stored, removed."""
-        if cleared:
-            self.drop_replica(replica_id)
-        for parent, hashes in stored:
-            if parent is None:
-                self.insert(replica_id, hashes, now)
-            else:
-                self.insert_after(replica_id, parent, hashes, now)
-        removed = list(removed)
-        if removed:
-            self.remove(replica_id, removed)
+        removed = 0
+        for node, covered in self._walk(hashes):
+            own = max(0, keep - node.start)  # this node's blocks to keep
+            if own < covered:
+                removed += self._shrink_holding(replica_id, node, own)
+        return removed
 
     def drop_replica(self, replica_id: str) -> int:
         """Forget everything about a replica (removed, restarted or cache cleared)."""
@@ -304,9 +267,33 @@ class PrefixIndex(CapacityModel):
         self._effective[replica_id] = self.default_capacity
         return lru
 
-    def _register(self, tail: tuple[int, ...], node: Node) -> int:
-        """Map ``tail``'s hashes to ``node``; returns how many leading ones were new and taken."""
+    def _walk(self, hashes: Sequence[int]) -> list[tuple[Node, int]]:
+        """The nodes the chain runs through, each with how many of its blocks the chain covers."""
+        hs = hashes if type(hashes) is tuple else tuple(hashes)
         where = self._where
+        n = len(hs)
+        out: list[tuple[Node, int]] = []
+        i = 0
+        while i < n:
+            node = where.get(hs[i])
+            if node is None or node.start != i or node.seg[0] != hs[i]:
+                break
+            common = common_prefix(node.seg, hs, i, min(len(node.seg), n - i))
+            out.append((node, common))
+            if common < len(node.seg):
+                break
+            i += common
+        return out
+
+    def _register(self, tail: tuple[int, ...], node: Node) -> int:
+        """Map ``tail``'s hashes to ``node`` (which it extends, or starts when ``node`` is
+        new); returns how many leading ones were new and taken.  Without ``by_hash`` only a new
+        node's first hash is mapped, and it is new: ``insert`` found nothing there."""
+        where = self._where
+        if not self._by_hash:
+            if not node.seg:
+                where[tail[0]] = node
+            return len(tail)
         before = len(where)
         _consume(map(where.setdefault, tail, repeat(node)))
         if len(where) - before == len(tail):
@@ -333,7 +320,11 @@ class PrefixIndex(CapacityModel):
         node.seg = node.seg[m:]
         node.start += m
         node.parent_hash = head.seg[-1]
-        self._where.update(zip(head.seg, repeat(head)))
+        if self._by_hash:
+            self._where.update(zip(head.seg, repeat(head)))
+        else:
+            self._where[head.seg[0]] = head
+            self._where[node.seg[0]] = node
         self._nodes += 1
         for rid, h in list(node.held.items()):
             lru = self._lru[rid]
@@ -367,26 +358,12 @@ class PrefixIndex(CapacityModel):
         seg = node.seg
         if longest >= len(seg):
             return
-        _consume(map(self._where.pop, seg[longest:]))  # each stored hash maps to its own node
+        if self._by_hash:
+            _consume(map(self._where.pop, seg[longest:]))  # each stored hash maps to its own node
+        elif not longest and self._where.get(seg[0]) is node:
+            del self._where[seg[0]]
+        self._stored -= len(seg) - longest
         node.seg = seg[:longest]
         node.forked = False
         if not longest:
             self._nodes -= 1
-
-    def _prefix_through(self, h: int) -> tuple[int, ...] | None:
-        """The stored chain from the root through hash ``h``, or None if it is not intact."""
-        where = self._where
-        node = where.get(h)
-        if node is None:
-            return None
-        parts = [node.seg[: node.seg.index(h) + 1]]
-        while node.start:
-            parent = where.get(node.parent_hash)  # type: ignore[arg-type]
-            if parent is None:
-                return None
-            off = node.start - 1 - parent.start
-            if not 0 <= off < len(parent.seg) or parent.seg[off] != node.parent_hash:
-                return None
-            parts.append(parent.seg[: off + 1])
-            node = parent
-        return tuple(_chain.from_iterable(reversed(parts)))

@@ -63,9 +63,10 @@ class ClusterView:
         return None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
-    """Where to send a request, where to retry, and why.
+    """Where to send a request, where to retry, and why (not frozen: a frozen dataclass takes three
+    times as long to build, and a policy builds one per request; nobody changes one).
 
     ``pull_from``: a migration hint -- the id of a replica holding more of the prompt's prefix
     than ``replica`` does, from which ``replica`` should pull ``pull_tokens`` tokens of KV cache

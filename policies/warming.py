@@ -14,7 +14,9 @@ Algorithm (pure, per policy instance, not shared between gateways):
 * ``ready(replica, hashes, matched, now)``: of the ``matched`` leading blocks the index says the
   replica holds, how many exist now: the smallest ``first`` of a live entry whose block hash is
   the request's at that position (``matched`` if none).  Asked only for replicas that match, at
-  one tuple compare per entry.
+  one tuple compare per entry -- none when ``matched`` ends before every entry's ``first`` (a
+  shared system prompt matched on every replica, while each computes its own conversations):
+  each replica keeps the least ``first`` of its entries.
 * ``until(replica, hashes, matched, now)``: when all ``matched`` blocks will exist there (the
   latest ``ready_at`` of the live entries in them; ``now`` if none): how long a follower would
   wait to find the whole prefix instead of recomputing it.
@@ -29,10 +31,11 @@ from collections.abc import Sequence
 
 
 class Warming:
-    __slots__ = ("_live", "_per_replica")
+    __slots__ = ("_live", "_lo", "_per_replica")
 
     def __init__(self, per_replica: int = 32) -> None:
         self._live: dict[str, deque[tuple[float, int, int]]] = {}
+        self._lo: dict[str, int] = {}  # per replica, at most the least ``first`` of its entries
         self._per_replica = per_replica
 
     def start(self, replica: str, hashes: Sequence[int], first: int, ready_at: float) -> None:
@@ -42,11 +45,12 @@ class Warming:
         if live is None:
             live = self._live[replica] = deque(maxlen=self._per_replica)
         live.append((ready_at, first, hashes[first]))
+        self._lo[replica] = min(first, self._lo.get(replica, first))
 
     def ready(self, replica: str, hashes: Sequence[int], matched: int, now: float) -> int:
         """Blocks of the ``matched`` leading ones that ``replica`` has finished computing."""
         live = self._live.get(replica)
-        if not live:
+        if not live or matched <= self._lo[replica]:
             return matched
         out = matched
         for ready_at, first, h in live:
@@ -71,6 +75,8 @@ class Warming:
         done = [e for e in live if e[1] < n and hashes[e[1]] == e[2]]
         for e in done:
             live.remove(e)
+        if done:
+            self._lo[replica] = min([e[1] for e in live], default=0)
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._live.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import random
 import tracemalloc
@@ -10,6 +11,13 @@ import pytest
 
 from policies.hashing import chain_hashes
 from policies.prefix_index import PrefixIndex
+
+
+@pytest.fixture(params=[False, True], ids=["starts", "by_hash"])
+def Index(request: pytest.FixtureRequest) -> type[PrefixIndex]:
+    """The index in both storage modes: node starts mapped (the request path's) and every hash
+    mapped (after KV events)."""
+    return functools.partial(PrefixIndex, by_hash=request.param)  # type: ignore[return-value]
 
 
 def chain(*parts: str, seed: int = 7) -> tuple[int, ...]:
@@ -23,8 +31,8 @@ def words(prefix: str, n: int) -> list[str]:
 # ---------------------------------------------------------------- matching
 
 
-def test_match_is_the_longest_leading_run_per_replica() -> None:
-    ix = PrefixIndex()
+def test_match_is_the_longest_leading_run_per_replica(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     a = chain("sys", "a1", "a2", "a3")
     b = chain("sys", "b1")
     ix.insert("r1", a)
@@ -37,22 +45,22 @@ def test_match_is_the_longest_leading_run_per_replica() -> None:
     assert ix.match(()) == {}
 
 
-def test_match_a_longer_request_than_what_is_stored() -> None:
-    ix = PrefixIndex()
+def test_match_a_longer_request_than_what_is_stored(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     ix.insert("r1", chain("s", "t1"))
     assert ix.match(chain("s", "t1", "t2", "t3")) == {"r1": 2}
 
 
-def test_hash_order_matters_not_just_membership() -> None:
-    ix = PrefixIndex()
+def test_hash_order_matters_not_just_membership(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     a = chain("x", "y", "z")
     ix.insert("r1", a)
     # The same hashes, but not starting at the root: no match.
     assert ix.match(a[1:]) == {}
 
 
-def test_insert_reports_new_blocks_and_turns_extend_one_node() -> None:
-    ix = PrefixIndex()
+def test_insert_reports_new_blocks_and_turns_extend_one_node(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     turns = [chain(*words("t", n)) for n in (4, 6, 9)]
     assert ix.insert("r1", turns[0]) == 4
     assert ix.insert("r1", turns[1]) == 2
@@ -64,8 +72,8 @@ def test_insert_reports_new_blocks_and_turns_extend_one_node() -> None:
     assert ix.audit() == []
 
 
-def test_a_second_replica_can_hold_part_of_a_node() -> None:
-    ix = PrefixIndex()
+def test_a_second_replica_can_hold_part_of_a_node(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     long = chain(*words("w", 10))
     ix.insert("r1", long)
     ix.insert("r2", long[:3])
@@ -78,8 +86,8 @@ def test_a_second_replica_can_hold_part_of_a_node() -> None:
 # ---------------------------------------------------------------- capacity model
 
 
-def test_capacity_forgets_least_recently_used_and_deepest_first() -> None:
-    ix = PrefixIndex(default_capacity=10)
+def test_capacity_forgets_least_recently_used_and_deepest_first(Index: type[PrefixIndex]) -> None:
+    ix = Index(default_capacity=10)
     old = chain(*words("old", 6))
     new = chain(*words("new", 6))
     ix.insert("r1", old, now=1)
@@ -91,8 +99,8 @@ def test_capacity_forgets_least_recently_used_and_deepest_first() -> None:
     assert ix.audit() == []
 
 
-def test_using_a_chain_protects_it_from_eviction() -> None:
-    ix = PrefixIndex(default_capacity=12)
+def test_using_a_chain_protects_it_from_eviction(Index: type[PrefixIndex]) -> None:
+    ix = Index(default_capacity=12)
     a, b, c = (chain(*words(p, 5)) for p in "abc")
     ix.insert("r1", a, now=1)
     ix.insert("r1", b, now=2)
@@ -103,8 +111,8 @@ def test_using_a_chain_protects_it_from_eviction() -> None:
     assert ix.match(c) == {"r1": 5}
 
 
-def test_shared_prefix_outlives_its_branches() -> None:
-    ix = PrefixIndex(default_capacity=8)
+def test_shared_prefix_outlives_its_branches(Index: type[PrefixIndex]) -> None:
+    ix = Index(default_capacity=8)
     shared = words("sys", 4)
     ix.insert("r1", chain(*shared, "a1", "a2"), now=1)
     ix.insert("r1", chain(*shared, "b1", "b2"), now=2)  # 8 blocks: full
@@ -114,16 +122,16 @@ def test_shared_prefix_outlives_its_branches() -> None:
     assert ix.blocks("r1") <= 8
 
 
-def test_one_chain_longer_than_capacity_keeps_its_head() -> None:
-    ix = PrefixIndex(default_capacity=5)
+def test_one_chain_longer_than_capacity_keeps_its_head(Index: type[PrefixIndex]) -> None:
+    ix = Index(default_capacity=5)
     c = chain(*words("w", 9))
     ix.insert("r1", c)
     assert ix.match(c) == {"r1": 5}
     assert ix.stats()["total_blocks"] == 5
 
 
-def test_capacity_is_per_replica() -> None:
-    ix = PrefixIndex(default_capacity=100)
+def test_capacity_is_per_replica(Index: type[PrefixIndex]) -> None:
+    ix = Index(default_capacity=100)
     ix.set_capacity("small", 3)
     c = chain(*words("w", 6))
     ix.insert("small", c)
@@ -135,8 +143,8 @@ def test_capacity_is_per_replica() -> None:
         ix.set_capacity("big", 0)
 
 
-def test_max_total_blocks_bounds_memory_by_evicting_the_oldest() -> None:
-    ix = PrefixIndex(default_capacity=100, max_total_blocks=10)
+def test_max_total_blocks_bounds_memory_by_evicting_the_oldest(Index: type[PrefixIndex]) -> None:
+    ix = Index(default_capacity=100, max_total_blocks=10)
     a = chain(*words("a", 6))
     b = chain(*words("b", 6))
     ix.insert("r1", a, now=1)
@@ -147,8 +155,8 @@ def test_max_total_blocks_bounds_memory_by_evicting_the_oldest() -> None:
     assert ix.audit() == []
 
 
-def test_expire_forgets_holdings_not_used_since() -> None:
-    ix = PrefixIndex()
+def test_expire_forgets_holdings_not_used_since(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     a, b = chain("a"), chain("b")
     ix.insert("r1", a, now=10)
     ix.insert("r1", b, now=20)
@@ -162,8 +170,8 @@ def test_expire_forgets_holdings_not_used_since() -> None:
 # ---------------------------------------------------------------- removal, events
 
 
-def test_remove_forgets_the_block_and_what_follows_it_on_that_replica() -> None:
-    ix = PrefixIndex()
+def test_remove_forgets_the_block_and_what_follows_it_on_that_replica(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     c = chain(*words("w", 8))
     ix.insert("r1", c)
     ix.insert("r2", c)
@@ -175,8 +183,8 @@ def test_remove_forgets_the_block_and_what_follows_it_on_that_replica() -> None:
     assert ix.audit() == []
 
 
-def test_truncate_keeps_only_the_leading_blocks() -> None:
-    ix = PrefixIndex()
+def test_truncate_keeps_only_the_leading_blocks(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     c = chain(*words("w", 8))
     ix.insert("r1", c)
     assert ix.truncate("r1", c, 3) == 5
@@ -184,8 +192,8 @@ def test_truncate_keeps_only_the_leading_blocks() -> None:
     assert ix.truncate("r1", c, 10) == 0
 
 
-def test_drop_replica_forgets_it_and_frees_unshared_blocks() -> None:
-    ix = PrefixIndex()
+def test_drop_replica_forgets_it_and_frees_unshared_blocks(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     shared = chain("s1", "s2")
     ix.insert("r1", chain("s1", "s2", "a"))
     ix.insert("r2", shared)
@@ -196,8 +204,8 @@ def test_drop_replica_forgets_it_and_frees_unshared_blocks() -> None:
     assert ix.audit() == []
 
 
-def test_apply_events_stored_with_parent_removed_and_cleared() -> None:
-    ix = PrefixIndex()
+def test_apply_events_stored_with_parent_removed_and_cleared(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     base = chain("s", "a")
     ix.apply_events("r1", stored=[(None, base)])
     full = chain("s", "a", "b", "c")
@@ -216,8 +224,8 @@ def test_apply_events_stored_with_parent_removed_and_cleared() -> None:
 # ---------------------------------------------------------------- learned capacity
 
 
-def test_observe_shrinks_on_a_clear_shortfall_and_grows_back_on_hits() -> None:
-    ix = PrefixIndex(default_capacity=1000, min_capacity=10, shrink=0.5, grow=0.5)
+def test_observe_shrinks_on_a_clear_shortfall_and_grows_back_on_hits(Index: type[PrefixIndex]) -> None:
+    ix = Index(default_capacity=1000, min_capacity=10, shrink=0.5, grow=0.5)
     for k in range(10):
         ix.insert("r1", chain(*words(f"c{k}-", 40)))
     assert ix.blocks("r1") == 400
@@ -242,8 +250,8 @@ def test_observe_shrinks_on_a_clear_shortfall_and_grows_back_on_hits() -> None:
 # ---------------------------------------------------------------- robustness
 
 
-def test_non_chain_input_does_not_corrupt_the_index() -> None:
-    ix = PrefixIndex()
+def test_non_chain_input_does_not_corrupt_the_index(Index: type[PrefixIndex]) -> None:
+    ix = Index()
     ix.insert("r1", [1, 2, 3])
     ix.insert("r1", [5, 2, 3, 4])  # 2 and 3 already stored at other depths
     ix.insert("r2", [7, 8, 7, 9])  # a repeated hash inside one chain
@@ -253,23 +261,49 @@ def test_non_chain_input_does_not_corrupt_the_index() -> None:
     assert ix.match([5]) == {"r1": 1}
 
 
-def test_constructor_validates() -> None:
+def test_events_switch_to_every_hash_mapped_and_keep_what_was_recorded() -> None:
+    ix = PrefixIndex()
+    a, b = chain(*words("a", 40)), chain(*words("a", 20), *words("b", 30))
+    ix.insert("r1", a)
+    ix.insert("r2", b)
+    ix.insert("r3", [1, 2, 3])
+    ix.insert("r3", [5, 2, 3, 4])  # not a chain: 2 and 3 stored twice until every hash is mapped
+    before = ix.stats()
+    assert (before["by_hash"], before["mapped"], before["total_blocks"]) == (False, 5, 77)
+    assert ix.remove("r2", [b[25]]) == 25  # the block and the rest of its node
+    after = ix.stats()
+    assert after["by_hash"] and after["mapped"] == after["total_blocks"] == 77 - 25 - 3
+    assert ix.match(a) == {"r1": 40, "r2": 20}
+    assert ix.match(b) == {"r1": 20, "r2": 25}
+    assert ix.match([5, 2, 3, 4]) == {"r3": 1}  # the deeper copies of 2 and 3 went
+    assert ix.match([1, 2, 3]) == {"r3": 3}
+    assert ix.audit() == []
+
+
+def test_constructor_validates(Index: type[PrefixIndex]) -> None:
     with pytest.raises(ValueError):
-        PrefixIndex(default_capacity=0)
+        Index(default_capacity=0)
     with pytest.raises(ValueError):
-        PrefixIndex(miss_ratio=0)
+        Index(miss_ratio=0)
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_random_operations_keep_counts_consistent_and_capacity_respected(seed: int) -> None:
+def test_random_operations_keep_counts_consistent_and_capacity_respected(
+    seed: int, Index: type[PrefixIndex]
+) -> None:
+    """Without ``by_hash`` the first 200 steps are request-path operations only (events would
+    make the index map every hash); the events that follow switch it over mid-run."""
     rng = random.Random(seed)
-    ix = PrefixIndex(default_capacity=40, max_total_blocks=120, min_capacity=5)
+    ix = Index(default_capacity=40, max_total_blocks=120, min_capacity=5)
+    starts = not ix.stats()["by_hash"]
     replicas = [f"r{i}" for i in range(4)]
     stems = [words(f"s{k}-", rng.randint(1, 6)) for k in range(5)]
     chains: list[tuple[int, ...]] = []
     for step in range(400):
         rid = rng.choice(replicas)
         op = rng.random()
+        if starts and step < 200 and (0.55 <= op < 0.65 or op >= 0.96):
+            op = 0.0  # an insert instead of an event
         if op < 0.55 or not chains:
             c = chain(*rng.choice(stems), *words(f"x{rng.randint(0, 30)}-", rng.randint(0, 20)))
             chains.append(c)
@@ -299,11 +333,13 @@ def test_random_operations_keep_counts_consistent_and_capacity_respected(seed: i
         for r, n in stats["blocks"].items():
             assert n <= ix.capacity(r) <= 60
         assert stats["total_blocks"] <= 120
+        if starts and step < 200:
+            assert stats["mapped"] == stats["nodes"] and not stats["by_hash"]
 
 
-def test_match_never_claims_a_block_the_replica_was_not_given() -> None:
+def test_match_never_claims_a_block_the_replica_was_not_given(Index: type[PrefixIndex]) -> None:
     rng = random.Random(3)
-    ix = PrefixIndex(default_capacity=25)
+    ix = Index(default_capacity=25)
     given: dict[str, set[int]] = {"r0": set(), "r1": set(), "r2": set()}
     stems = [words(f"s{k}-", 3) for k in range(3)]
     chains = []
@@ -318,9 +354,9 @@ def test_match_never_claims_a_block_the_replica_was_not_given() -> None:
             assert set(probe[:n]) <= given[r]
 
 
-def test_without_pressure_match_equals_a_brute_force_reference() -> None:
+def test_without_pressure_match_equals_a_brute_force_reference(Index: type[PrefixIndex]) -> None:
     rng = random.Random(4)
-    ix = PrefixIndex(default_capacity=10**6)
+    ix = Index(default_capacity=10**6)
     given: dict[str, set[int]] = {f"r{i}": set() for i in range(4)}
     stems = [words(f"s{k}-", rng.randint(1, 4)) for k in range(4)]
     chains = []
@@ -341,12 +377,12 @@ def test_without_pressure_match_equals_a_brute_force_reference() -> None:
         assert ix.match(probe) == expected
 
 
-def test_stats_approx_bytes_tracks_measured_memory() -> None:
+def test_stats_approx_bytes_tracks_measured_memory(Index: type[PrefixIndex]) -> None:
     rng = random.Random(5)
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    ix = PrefixIndex(default_capacity=10**6)
+    ix = Index(default_capacity=10**6)
     for _ in range(200):
         c = tuple(rng.getrandbits(64) for _ in range(rng.choice((16, 64, 256))))
         for r in rng.sample(["a", "b", "c", "d"], rng.randint(1, 3)):
