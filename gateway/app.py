@@ -25,9 +25,10 @@ from starlette.routing import Route
 from policies import PolicyDeps, default_registry
 
 from .admin import AdminApi
+from .capacity import sync_capacities
 from .config import GatewayConfig
 from .errors import ConfigError, NotFound, error_body
-from .features import ROUTES
+from .features import ROUTES, tokens_per_hash
 from .health import check_all, health_loop
 from .metrics import GatewayMetrics
 from .proxy import Proxy
@@ -132,11 +133,20 @@ class GatewayApp:
         )
         # The policy reports each dispatch to the shared state; the proxy is unaware of it.
         proxy = Proxy(cfg, pool, SharedPolicy(self._policy, sync), upstream, metrics, self._clock)
+        index = self.policy_deps.index
+        rates = proxy.token_rates
+
+        def capacities(replicas: ReplicaPool) -> None:
+            sync_capacities(replicas, index, lambda m: tokens_per_hash(cfg.chunk_bytes, rates.get(m)))
+
         await check_all(client, pool, cfg.connect_timeout_s)
+        capacities(pool)
         # Replay the shared stream before serving (bounded); /ready says 503 until it is done.
         await sync.start(wait_s=2.0)
         self.state = GatewayState(cfg, pool, proxy, metrics, client, self._clock(), sync)
-        checker = asyncio.create_task(health_loop(client, pool, cfg.health_interval_s, cfg.connect_timeout_s))
+        checker = asyncio.create_task(
+            health_loop(client, pool, cfg.health_interval_s, cfg.connect_timeout_s, capacities)
+        )
         log.info("gateway ready", extra={
             "replicas": [r.id for r in pool], "policy": cfg.policy, "gateway_id": gateway_id,
             "store": store.backend, "state_caught_up": sync.caught_up,

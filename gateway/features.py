@@ -106,6 +106,11 @@ def _max_tokens(body: dict) -> int:
     return 0
 
 
+def tokens_per_hash(chunk_bytes: int, bytes_per_token: float) -> int:
+    """The engine tokens one prefix hash (``chunk_bytes`` of rendered prompt) stands for."""
+    return max(1, round(chunk_bytes / bytes_per_token))
+
+
 def parse_request(
     kind: str,
     raw: bytes,
@@ -136,7 +141,7 @@ def parse_request(
     features = RequestFeatures(
         model=model,
         prefix_hashes=tuple(hash_bytes(data, model_seed(model), chunk_bytes)),
-        tokens_per_hash=max(1, round(chunk_bytes / rate)),
+        tokens_per_hash=tokens_per_hash(chunk_bytes, rate),
         prompt_tokens=max(1, int(len(data) / rate)),
         prompt_bytes=len(data),
         max_tokens=_max_tokens(body),

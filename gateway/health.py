@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import httpx
 
@@ -50,6 +51,7 @@ async def check_replica(
             values = parse_engine_metrics(metrics.text)
             rep.record_engine(int(values.get("running", 0)), int(values.get("waiting", 0)),
                               float(values.get("kv_usage", 0.0)))  # fmt: skip
+            rep.kv_tokens = int(values.get("kv_tokens", 0))
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.debug("models/metrics of %s failed: %r", rep.id, exc)
         rep.metrics_ok = False
@@ -67,7 +69,12 @@ async def check_all(client: httpx.AsyncClient, pool: ReplicaPool, timeout: float
     await asyncio.gather(*(check_replica(client, r, timeout, pool.eject_after) for r in pool))
 
 
-async def health_loop(client: httpx.AsyncClient, pool: ReplicaPool, interval: float, timeout: float) -> None:
+async def health_loop(
+    client: httpx.AsyncClient, pool: ReplicaPool, interval: float, timeout: float,
+    after: Callable[[ReplicaPool], None] = lambda pool: None,
+) -> None:  # fmt: skip
+    """Check every replica each ``interval``, then call ``after`` with the pool."""
     while True:
         await asyncio.sleep(interval)
         await check_all(client, pool, timeout)
+        after(pool)

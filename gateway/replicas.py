@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from policies.types import ClusterView, ReplicaState
@@ -13,7 +14,7 @@ class Replica:
     __slots__ = (
         "id", "url", "models", "static_models", "healthy", "draining", "in_flight",
         "running", "waiting", "kv_usage", "failures", "metrics_ok", "removing", "remote_in_flight",
-        "others", "others_waiting", "_scraped_others", "_remote_at_scrape",
+        "others", "others_waiting", "_scraped_others", "_remote_at_scrape", "kv_tokens",
     )
 
     def __init__(self, cfg: ReplicaConfig) -> None:
@@ -35,6 +36,7 @@ class Replica:
         self.others_waiting = 0  # of which waiting for a slot
         self._scraped_others = 0  # ``others`` as the scrape computed it
         self._remote_at_scrape = 0  # ``remote_in_flight`` when it did
+        self.kv_tokens = 0  # the engine's prefix-cache size in tokens, as it reports it (0: unknown)
 
     def record_engine(self, running: int, waiting: int, kv_usage: float) -> None:
         """The engine's own counts, just scraped.  What the gateways sent is known exactly and
@@ -185,14 +187,26 @@ _GAUGES = {
 }
 
 
+_CACHE_INFO = "vllm:cache_config_info"
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
 def parse_engine_metrics(text: str) -> dict[str, float]:
-    """Sum the load gauges an engine exposes in Prometheus text (vLLM names)."""
+    """Sum the load gauges an engine exposes in Prometheus text (vLLM names), and its KV-cache
+    size in tokens (``kv_tokens``: ``block_size`` x ``num_gpu_blocks`` from the labels of
+    ``vllm:cache_config_info``, summed over engines; absent when it does not say, or has prefix
+    caching off)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
         if name_end < 0:
+            continue
+        if line[:name_end] == _CACHE_INFO:
+            tokens = _cache_tokens(line[name_end:])
+            if tokens:
+                out["kv_tokens"] = out.get("kv_tokens", 0.0) + tokens
             continue
         key = _GAUGES.get(line[:name_end])
         if key is None:
@@ -206,3 +220,17 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             continue
         out[key] = out.get(key, 0.0) + value
     return out
+
+
+def _cache_tokens(rest: str) -> int:
+    """``block_size`` x ``num_gpu_blocks`` from a ``cache_config_info`` sample's labels (0 if
+    either is missing or prefix caching is off)."""
+    if not rest.startswith("{"):
+        return 0
+    labels = dict(_LABEL.findall(rest[: rest.rfind("}") + 1]))
+    if labels.get("enable_prefix_caching") == "False":
+        return 0
+    try:
+        return int(labels["block_size"]) * int(labels["num_gpu_blocks"])
+    except (KeyError, ValueError):
+        return 0

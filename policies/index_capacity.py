@@ -17,6 +17,14 @@ class CapacityModel:
         """The effective (learned) capacity of a replica, in blocks."""
         return self._effective.get(replica_id, self.default_capacity)
 
+    def room(self, replica_id: str) -> int:
+        """Blocks the replica can still record before the capacity model evicts (< 0: never)."""
+        return self._effective.get(replica_id, self.default_capacity) - self._blocks.get(replica_id, 0)
+
+    def configured_capacity(self, replica_id: str) -> int | None:
+        """The capacity configured for a replica (None: it has the default, or is unknown)."""
+        return self._configured.get(replica_id) if replica_id in self._set else None
+
     def set_capacity(self, replica_id: str, blocks: int) -> None:
         """Configure a replica's capacity in blocks (e.g. from its KV-cache size); resets learning."""
         if blocks < 1:
@@ -25,6 +33,7 @@ class CapacityModel:
             self._add_replica(replica_id)
         self._configured[replica_id] = blocks
         self._effective[replica_id] = blocks
+        self._set.add(replica_id)
         self._evict(replica_id)
 
     def observe(

@@ -107,6 +107,7 @@ class PrefixIndex(CapacityModel, KvEvents):
         self._blocks: dict[str, int] = {}
         self._configured: dict[str, int] = {}
         self._effective: dict[str, int] = {}
+        self._set: set[str] = set()  # replicas whose capacity was configured (set_capacity)
         self._nodes = 0
         self._orphan_events = 0
 
@@ -238,6 +239,7 @@ class PrefixIndex(CapacityModel, KvEvents):
         dropped = self._blocks.pop(replica_id, 0)
         self._configured.pop(replica_id, None)
         self._effective.pop(replica_id, None)
+        self._set.discard(replica_id)
         for node in lru.stamp if lru is not None else ():
             node.held.pop(replica_id, None)
             self._trim(node)

@@ -10,8 +10,8 @@ from gateway.replicas import Replica, ReplicaPool
 from gateway.runner import sim_specs
 from gateway.servers import ServerGroup
 from gateway.sim.config import SimConfig
-from tests.test_gateway_proxy import set_faults
-from tests.topology import free_port
+from tests.test_gateway_proxy import CHAT, body, set_faults
+from tests.topology import free_port, running_topology
 
 TIMEOUT = 0.3  # the probes' timeout; the slow replica answers 30 s late
 
@@ -75,3 +75,30 @@ async def test_check_all_gives_every_replica_the_pools_patience():
             assert not pool.snapshot().replicas[0].healthy
     finally:
         await group.stop()
+
+
+async def test_the_index_takes_each_replicas_capacity_from_the_cache_size_its_engine_reports():
+    """The simulator reports its cache as vLLM does (vllm:cache_config_info); the gateway's index
+    then forgets what the engine must have evicted, instead of predicting hits on it."""
+    sim = SimConfig(cache_blocks=64)  # 1,024 tokens: prompts of 400 tokens, three fit at most
+    async with running_topology(1, sim_config=sim, policy="cache_aware") as topo:
+        rid = topo.replica_ids[0]
+        index = topo.gateway.policy_deps.index
+        assert index.configured_capacity(rid) == 64 * sim.block_size // 64  # 64 tokens a hash
+        async with httpx.AsyncClient(timeout=10) as c:
+
+            async def ask(topic: str) -> tuple[int, int]:
+                text = " ".join(f"{topic}{i}" for i in range(400))  # a token a word here
+                r = await c.post(topo.base_url + CHAT, json=body(text))
+                assert r.status_code == 200, r.text
+                cached = r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                return int(r.headers["x-kvgate-predicted-cached-tokens"]), cached
+
+            await ask("alpha")
+            predicted, cached = await ask("alpha")
+            assert predicted > 0 and cached >= 384  # it fits: cached, and predicted so
+            for topic in ("beta", "gamma", "delta"):
+                await ask(topic)
+            # The engine evicted alpha for the others; the index, at the engine's capacity, too
+            # (at its default of 65,536 blocks it would still predict the whole prompt).
+            assert await ask("alpha") == (0, 0)

@@ -3,6 +3,7 @@
 import orjson
 import pytest
 
+from gateway.capacity import sync_capacities
 from gateway.config import GatewayConfig, ReplicaConfig, load_config
 from gateway.errors import BadRequest, ConfigError
 from gateway.features import CHAT, COMPLETION, EMBEDDINGS, RESPONSES, parse_request
@@ -10,6 +11,7 @@ from gateway.replicas import ReplicaPool, parse_engine_metrics
 from gateway.upstream import request_headers, response_headers
 from gateway.wire import cached_tokens, usage_from_sse_tail
 from policies.hashing import hash_bytes, model_seed, render_chat
+from policies.prefix_index import PrefixIndex
 
 
 def chat(messages, **extra):
@@ -135,6 +137,40 @@ vllm:prefix_cache_hits_total{model_name="a"} 99
 garbage line
 """
     assert parse_engine_metrics(text) == {"running": 5.0, "waiting": 4.0, "kv_usage": 0.25}
+
+
+def test_parse_engine_metrics_reads_the_cache_size_from_vllms_cache_config_info():
+    # As vLLM writes it: the CacheConfig as labels of a constant gauge, one sample per engine.
+    text = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",num_gpu_blocks="4096",prefix_caching_hash_algo="sha256"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="1",num_gpu_blocks="1024",prefix_caching_hash_algo="sha256"} 1.0
+"""
+    assert parse_engine_metrics(text) == {"kv_tokens": 16 * 5120}
+    off = text.replace('"True"', '"False"')
+    assert "kv_tokens" not in parse_engine_metrics(off)  # no prefix cache: nothing to model
+    assert "kv_tokens" not in parse_engine_metrics('vllm:cache_config_info{block_size="16"} 1.0')
+    assert "kv_tokens" not in parse_engine_metrics('vllm:cache_config_info{num_gpu_blocks="x",block_size="16"} 1.0')
+
+
+def test_capacities_follow_what_each_engine_reports_and_reapply_only_on_a_real_change():
+    index = PrefixIndex()
+    pool = ReplicaPool([ReplicaConfig("http://a:1", models=("m",)), ReplicaConfig("http://b:1")])
+    a, b = pool.get("a:1"), pool.get("b:1")
+    assert sync_capacities(pool, index, lambda model: 64) == []  # nobody said: the default stays
+    a.kv_tokens = 64 * 1000
+    assert sync_capacities(pool, index, lambda model: 64 if model == "m" else 1) == ["a:1"]
+    assert index.configured_capacity("a:1") == index.capacity("a:1") == 1000
+    assert index.configured_capacity("b:1") is None
+    index.observe("a:1", 100, 100)  # a confirmed hit: learning moves the effective capacity
+    a.kv_tokens = 64 * 1050  # within 10%: applying it would throw the learning away
+    assert sync_capacities(pool, index, lambda model: 64) == []
+    a.kv_tokens = 64 * 2000  # restarted with a bigger cache
+    b.kv_tokens = 64 * 10
+    assert sync_capacities(pool, index, lambda model: 64) == ["a:1", "b:1"]
+    assert index.capacity("a:1") == 2000 and index.capacity("b:1") == 10
+    index.drop_replica("a:1")  # removed, restarted, cleared: its configuration goes too
+    assert sync_capacities(pool, index, lambda model: 64) == ["a:1"]
 
 
 def test_a_scrape_adds_only_the_engines_other_requests_to_the_exact_in_flight_count():

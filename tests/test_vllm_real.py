@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 import uuid
@@ -316,6 +317,12 @@ async def test_load_scraper_reads_a_busy_vllm(rig):
             assert parsed["running"] == metric_value(page, "vllm:num_requests_running")
             assert parsed["waiting"] == metric_value(page, "vllm:num_requests_waiting")
             assert parsed["kv_usage"] == metric_value(page, "vllm:kv_cache_usage_perc")
+            info = re.search(r"^vllm:cache_config_info\{(.*)\} 1\.0$", page, re.M)
+            assert info, "vLLM does not report vllm:cache_config_info"
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+            blocks = int(labels["num_gpu_blocks"])
+            assert blocks > 0 and parsed["kv_tokens"] == int(labels["block_size"]) * blocks
+            assert rep.kv_tokens == parsed["kv_tokens"]
             assert rep.models == frozenset({MODEL_NAME}) and rep.metrics_ok
             assert rep.running == 1 and rep.waiting == 0 and rep.kv_usage > 0
 

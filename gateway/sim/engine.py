@@ -390,6 +390,13 @@ class SimEngine:
             out.append(
                 f"# HELP {name} {doc}\n# TYPE {name} {kind}\n{name}{label} {float(value)!r}\n"
             )
+        cfg = self.config  # as vLLM reports its cache: the config as labels of a constant gauge
+        out.append(
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{cfg.block_size}",enable_prefix_caching='
+            f'"{cfg.cache_blocks > 0}",engine="0",num_gpu_blocks="{cfg.cache_blocks}"}} 1.0\n'
+        )
         return "".join(out).encode()
 
 
