@@ -32,6 +32,24 @@ Algorithm (filter -> score -> pick):
   blocks, and computes the prompt's last token again; the quarter chunk of slack because a
   chunk's tokens are estimated, and a block ending right at the match may not be shared).  A session's earlier turns are in the index under the replica
   they went to, so session affinity is scored as the cache it is, not as a rule.
+  Ranking adds what a choice costs the requests after it (``penalty``, reported apart: the
+  decision's ``ttft_ms`` is the prediction alone)::
+
+      cost(r) = ttft(r) + (P - hit(r)) * prefill_ms_per_token * work
+                + evicted(r) * tokens_per_hash * prefill_ms_per_token * evict_weight * (1 + work)
+
+  ``work = work_weight * work_factor(max_running, rho)``, ``rho`` the mean load over
+  ``max_running``: Erlang C (the chance that the requests arriving after it wait at all) over
+  ``1 - rho`` (how many of them a busy period holds), capped at rho 0.95.  Recomputed tokens are
+  capacity lost: while slots are free this is near 0 (8 slots at 40%: 0.03) and the greedy TTFT
+  decides; when every slot is busy it is large (3 slots at 90%: 8), and a request stays with
+  the replica holding its prefix through a queue that a greedy pick would leave for a cold
+  prefill elsewhere -- whose work then delays everyone there, and whose copy pushes another
+  prefix out.  ``evicted(r)``: the blocks r would store (the prompt's hashes beyond its
+  match) past the room its capacity model has left (``PrefixIndex.room``), each computed again
+  later by whoever needs it.  In the shared-prefix benchmark at a load that queues (3 slots,
+  about 90% busy) the greedy pick recomputed a group's prompt on every replica and reached 81%
+  of the ideal hit rate; priced, 97%, with lower TTFT p50 and p99.
   Waiting for a prefill in flight (``wait_for_prefill``): where r is still computing part of the
   match, r also gets ``ttft_wait(r) = queue_ms(r) + wait_ms(r) + (P - full(r)) *
   prefill_ms_per_token``, ``full(r)`` the whole match and ``wait_ms(r)`` the time until the
@@ -59,9 +77,11 @@ Algorithm (filter -> score -> pick):
   predicts ``top`` cached tokens.
 * Bounded load (Mirrokni et al.): replicas with ``load > load_factor * mean_load + load_slack`` are
   set aside unless all are (the least loaded never is).  This stops a hot prefix from herding.
-  With ``spill_when_full`` the bound is tighter where it matters: a replica where requests
+  With ``spill_when_full`` (off by default) the bound is tighter: a replica where requests
   already wait for a slot (``load > max_running``) is set aside once above ``load_factor *
-  mean_load``, so a hot prefix gets its next copy before its holder builds a queue.  While a copy
+  mean_load``, so a hot prefix gets its next copy before its holder builds a queue -- but when
+  every replica queues, that sends a request cold wherever its holder is above the mean (at 3
+  slots and 90% busy it cost 5 points of hit rate and no latency).  While a copy
   is being computed somewhere (a replica is computing part of this prompt's prefix), the
   replicas holding the longest ready hit stay eligible: sending more followers to the copy would
   make each of them recompute it, so they wait in the holder's queue if that is faster.
@@ -88,10 +108,12 @@ Parameters (defaults sized for an 8B model on one H100; set ``max_running`` to t
 concurrency -- e.g. vLLM's max_num_seqs, or the simulator's max_running -- since below it the model
 sees no queue and only the load bound guards against herding):
 prefill_ms_per_token 0.1, decode_ms_per_token 20, max_running 64, avg_output_tokens 256,
-busy_ms_per_request 2, load_factor 1.25, load_slack 4, spill_when_full true, tie_ms 5 (about two
+busy_ms_per_request 2, load_factor 1.25, load_slack 4, spill_when_full false, tie_ms 5 (about two
 requests of interference: a wider window threw away real hits -- in the hot_prefix benchmark a
 100 ms window scattered every 44 ms tail prefix over all replicas), service_alpha 0.05,
-warm_min_ms 20, wait_for_prefill true, learn_capacity true; migrate false, pull_margin_ms 100, transfer_ms_per_token 0.01
+warm_min_ms 20, wait_for_prefill true, learn_capacity true, work_weight 0.3, evict_weight 1
+(weight 1 kept one more point of hits at 90% busy, at 1.4x the TTFT p99); migrate false,
+pull_margin_ms 100, transfer_ms_per_token 0.01
 (an 8B model's 128 KiB of KV per token at 12.5 GB/s), transfer_overhead_ms 2, migrate_min_tokens
 256, engine_block_tokens 1 (no rounding; set it to the engine's block size -- vLLM's --block-size:
 16 on GPUs by default, 128 on CPUs -- when its blocks are much longer than ``tokens_per_hash``:
@@ -114,6 +136,7 @@ from .cache_aware_scores import (
     pick,
     reason_for,
     warm_s,
+    work_factor,
 )
 from .deps import resolve_deps
 from .scoring import LoadBound, prompt_tokens
@@ -142,6 +165,7 @@ class CacheAware(BasePolicy):
         self._slot_ms = self._service_ms / params.max_running
         self._decode_ratio = 1.0  # EWMA: real decode time / max_tokens * decode_ms_per_token
         self._warming = Warming()
+        self._work_memo: dict[int, float] = {}
         self._slots = SlotTimeline()
 
     def queue_ms(self, load: int, waiting: int = 0, replica: str | None = None,
@@ -172,6 +196,10 @@ class CacheAware(BasePolicy):
         busy = p.busy_ms_per_request
         free = p.max_running - 1  # up to this many in flight, a newcomer does not queue
         queue_ms = self.queue_ms
+        work = pf * self._work_factor(loads)  # what a recomputed token costs the others, ms
+        evict = pf * p.evict_weight * (1 + self._work_factor(loads)) * req.tokens_per_hash
+        room = self._index.room
+        n = len(hashes)
         scored: list[Score] = []
         pulls: list[Score] = []  # the same replicas, pulling from the holder first
         for r, load in zip(replicas, loads, strict=True):
@@ -180,21 +208,38 @@ class CacheAware(BasePolicy):
             q = load * busy if load <= free and waiting <= 0 else queue_ms(load, waiting, rid, now)
             hit, w, wait = ready.get(rid, _COLD)
             over = load > limit and hit != exempt
+            new = n - matched.get(rid, 0)  # blocks the replica would store: what they push out
+            spill = evict * min(new, -room(rid) + new) if evict and new > room(rid) else 0.0
             ttft = q + (total - hit) * pf
-            if wait is not None and q + wait[1] + (total - wait[0]) * pf < ttft:
-                hit, hold_ms = wait  # cheaper to wait for the prefill in flight than recompute
-                ttft = q + hold_ms + (total - hit) * pf
-                score = Score(over, ttft, rid, hit, load, 0, 0.0, w, hold_ms)
-            else:
-                score = Score(over, ttft, rid, hit, load, 0, 0.0, w)
-            scored.append(score)
+            pen = (total - hit) * work + spill
+            if wait is not None:
+                full, hold_ms = wait
+                ttft_w = q + hold_ms + (total - full) * pf
+                pen_w = (total - full) * work + spill
+                if ttft_w + pen_w < ttft + pen:  # wait for the prefill in flight: no recompute
+                    scored.append(Score(over, ttft_w + pen_w, rid, full, load, 0, 0.0, w, hold_ms,
+                                        pen_w))  # fmt: skip
+                    continue
+            scored.append(Score(over, ttft + pen, rid, hit, load, 0, 0.0, w, 0.0, pen))
             if holder is not None and load <= limit:
                 pull, pull_ms = self._pull(top - hit)
                 if pull:
                     have = hit + pull
-                    pulls.append(Score(False, q + (total - have) * pf + pull_ms, rid, have, load,
-                                        pull, pull_ms))  # fmt: skip
+                    pen = (total - have) * work + spill
+                    pulls.append(Score(False, q + (total - have) * pf + pull_ms + pen, rid, have,
+                                       load, pull, pull_ms, False, 0.0, pen))  # fmt: skip
         return self._decide(req, scored, pulls, holder, matched, total)
+
+    def _work_factor(self, loads: list[int]) -> float:
+        """``work_weight`` x ``work_factor`` at the replicas' mean utilisation (memoised by the
+        percent)."""
+        if not self._p.work_weight:
+            return 0.0
+        pct = min(95, 100 * sum(loads) // (len(loads) * self._p.max_running))
+        out = self._work_memo.get(pct)
+        if out is None:
+            out = self._work_memo[pct] = self._p.work_weight * work_factor(self._p.max_running, pct / 100)
+        return out
 
     def _decide(self, req: RequestFeatures, scored: list[Score], pulls: list[Score],
                 holder: str | None, matched: dict[str, int], total: int) -> Decision:  # fmt: skip
@@ -214,14 +259,16 @@ class CacheAware(BasePolicy):
         scored.sort(key=_BY_BOUND_THEN_TTFT)
         prefill_ms = (total - hit) * p.prefill_ms_per_token + chosen.pull_ms
         hold_ms = chosen.hold_ms
+        ttft_ms = chosen.ttft - chosen.penalty
         return Decision(
             replica=chosen.id,
             alternates=tuple([s.id for s in scored if s.id != cid]),
             reason=reason_for(chosen, max([s.hit for s in scored]), ties, bound_id),
             predicted_cached_tokens=hit,
             scores={
-                "ttft_ms": chosen.ttft,
-                "queue_ms": chosen.ttft - prefill_ms - hold_ms,
+                "ttft_ms": ttft_ms,
+                "queue_ms": ttft_ms - prefill_ms - hold_ms,
+                "penalty_ms": chosen.penalty,
                 "prefill_ms": prefill_ms,
                 "matched_blocks": float(matched.get(chosen.id, 0)),
                 "pull_ms": chosen.pull_ms,

@@ -29,9 +29,11 @@ class CacheAwareParams:
     migrate_min_tokens: int = 256
     service_alpha: float = 0.05
     warm_min_ms: float = 20.0
-    spill_when_full: bool = True
+    spill_when_full: bool = False
     engine_block_tokens: int = 1
     wait_for_prefill: bool = True
+    work_weight: float = 0.3
+    evict_weight: float = 1.0
 
     def validate(self) -> None:
         if self.prefill_ms_per_token < 0 or self.decode_ms_per_token < 0:
@@ -50,6 +52,8 @@ class CacheAwareParams:
             raise ValueError("migrate_min_tokens must be >= 1")
         if self.engine_block_tokens < 1:
             raise ValueError("engine_block_tokens must be >= 1")
+        if self.work_weight < 0 or self.evict_weight < 0:
+            raise ValueError("work_weight and evict_weight must be >= 0")
         LoadBound(self.load_factor, self.load_slack).validate()
 
 
@@ -63,6 +67,7 @@ class Score(NamedTuple):
     pull_ms: float = 0.0
     warm: bool = False  # still computing part of this prompt's prefix (a copy in flight)
     hold_ms: float = 0.0  # wait at the gateway for a prefill in flight there first
+    penalty: float = 0.0  # ms added to ``ttft`` for the ranking: what the choice costs others
 
 
 def pick(ties: list[Score], bound_id: str | None, req: RequestFeatures,
@@ -110,3 +115,27 @@ def warm_s(ttft_ms: float) -> float:
     """How long a dispatched prefill counts as in flight: its predicted TTFT plus a margin for
     what the model leaves out (transport, the engine's own overhead)."""
     return (ttft_ms + 10.0) / 1000
+
+
+def erlang_c(servers: int, rho: float) -> float:
+    """The probability that an arrival waits for a server in an M/M/c queue with ``servers``
+    servers at utilisation ``rho`` (Erlang C, from Erlang B's recursion)."""
+    if rho <= 0.0:
+        return 0.0
+    if rho >= 1.0:
+        return 1.0
+    a = servers * rho
+    b = 1.0
+    for k in range(1, servers + 1):
+        b = a * b / (k + a * b)
+    return b / (1.0 - rho * (1.0 - b))
+
+
+def work_factor(servers: int, rho: float) -> float:
+    """Milliseconds of other requests' waiting that one more millisecond of work on a replica
+    costs, at utilisation ``rho`` (capped at 0.95) with ``servers`` slots: the chance that those
+    arriving behind it wait at all (Erlang C) times the number of them it delays (about 1 / (1 -
+    rho): a busy period's length).  Near 0 while slots are free (8 slots at 40%: 0.02), large
+    when the replicas saturate (3 slots at 90%: 8)."""
+    rho = min(rho, 0.95)
+    return erlang_c(servers, rho) / (1.0 - rho)

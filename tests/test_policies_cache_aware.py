@@ -15,6 +15,7 @@ from policies import (
     RequestFeatures,
     default_registry,
 )
+from policies.cache_aware_scores import erlang_c, work_factor
 from policies.errors import NoReplicaError
 from policies.hashing import chain_hashes
 from policies.sessions import SessionTable
@@ -95,9 +96,9 @@ def test_engine_reported_waiting_counts_as_queue(deps: PolicyDeps) -> None:
 def test_queue_delay_is_traded_against_prefill_saved(deps: PolicyDeps) -> None:
     deps.index.insert("r1", doc("small", 10))  # saves 64 ms
     deps.index.insert("r2", doc("big", 100))  # saves 640 ms
-    # Take the bound and interference out: a request beyond the 4 slots costs 80 ms.
-    pol = build(deps, load_slack=100, spill_when_full=False, max_running=4, avg_output_tokens=16,
-                busy_ms_per_request=0)  # fmt: skip
+    # Take the bound, interference and penalties out: a request beyond the 4 slots costs 80 ms.
+    pol = build(deps, load_slack=100, max_running=4, avg_output_tokens=16, busy_ms_per_request=0,
+                work_weight=0, evict_weight=0)  # fmt: skip
     small = pol.select(feat(doc("small", 100)), view(0, 6, 0, 0))  # 3 ahead: 240 ms > 64 saved
     assert small.replica != "r1" and small.reason == "load-fallback"
     big = pol.select(feat(doc("big", 100)), view(0, 0, 8, 0))  # 5 ahead: 400 ms < 640 saved
@@ -475,12 +476,12 @@ def test_a_queueing_replica_above_its_fair_share_spills_before_the_slack(
 ) -> None:
     deps.index.insert("r0", doc("hot", 100))
     # textbook limit: 1.25 * 4.75 + 4 = 9.9; one request ahead costs only 16 * 20 / 8 = 40 ms
-    pol = build(deps, max_running=8, load_slack=4, avg_output_tokens=16)
+    pol = build(deps, max_running=8, load_slack=4, avg_output_tokens=16, spill_when_full=True)
     d = pol.select(feat(doc("hot", 100)), view(9, 4, 3, 3))  # one already waits for a slot
     assert d.replica != "r0" and d.reason == "load-fallback"
     assert pol.select(feat(doc("hot", 100)), view(8, 4, 3, 3)).replica == "r0"  # full, no queue
     assert pol.select(feat(doc("hot", 100)), view(9, 9, 9, 9)).replica == "r0"  # all queue: fair
-    lax = build(deps, max_running=8, load_slack=4, avg_output_tokens=16, spill_when_full=False)
+    lax = build(deps, max_running=8, load_slack=4, avg_output_tokens=16)  # the default
     assert lax.select(feat(doc("hot", 100)), view(9, 4, 3, 3)).replica == "r0"
 
 
@@ -495,3 +496,55 @@ def test_a_follower_joins_the_replica_computing_its_prefix_despite_more_load(
     deps.clock.t = 0.1  # type: ignore[attr-defined]
     d2 = pol.select(feat(shared + doc("q2-", 1)), view(*loads))
     assert d2.replica == d1.replica and d2.predicted_cached_tokens == 0
+
+
+# ---------------------------------------------------------------- the price of recomputing
+
+
+def test_erlang_c_and_the_work_factor() -> None:
+    assert erlang_c(1, 0.6) == pytest.approx(0.6)  # one server: an arrival waits while it is busy
+    assert erlang_c(2, 0.5) == pytest.approx(1 / 3)
+    assert erlang_c(3, 0.0) == 0.0 and erlang_c(3, 1.2) == 1.0
+    factors = [work_factor(3, r / 10) for r in range(1, 10)]
+    assert factors == sorted(factors) and factors[0] < 0.01 and factors[-1] > 5
+    assert work_factor(8, 0.4) < 0.05 < 5 < work_factor(8, 0.95)  # capped at 95%: finite
+    assert work_factor(3, 2.0) == work_factor(3, 0.95)
+
+
+def test_a_saturated_cluster_keeps_a_prefix_on_its_holder_rather_than_recompute_it(
+    deps: PolicyDeps,
+) -> None:
+    deps.index.insert("r0", doc("grp", 20))  # 1,280 tokens: 128 ms of prefill saved on r0
+    # 3 slots; a request ahead costs 16 * 20 / 3 = 107 ms: r0's queue (4 ahead) is 427 ms.
+    params = dict(max_running=3, avg_output_tokens=16, busy_ms_per_request=0, load_slack=100,
+                  evict_weight=0)  # fmt: skip
+    greedy = build(deps, work_weight=0, **params)
+    assert greedy.select(feat(doc("grp", 21)), view(6, 2, 2, 2)).reason == "load-fallback"
+    pol = build(deps, **params)  # every slot busy: a recompute delays whoever comes next
+    d = pol.select(feat(doc("grp", 21)), view(6, 2, 2, 2))
+    assert d.replica == "r0" and d.reason == "prefix-hit"
+    assert d.scores["ttft_ms"] == pytest.approx(427 + 6.4, abs=1)  # the penalty is not a TTFT
+    assert d.scores["penalty_ms"] > 0
+    quiet = pol.select(feat(doc("grp", 21)), view(6, 0, 0, 0))  # a third busy: as greedy
+    assert quiet.replica != "r0" and quiet.reason == "load-fallback"
+
+
+def test_a_recompute_that_would_evict_another_prefix_costs_that_prefix_too(
+    deps: PolicyDeps,
+) -> None:
+    deps.index.insert("r0", doc("grp", 20))  # 128 ms saved on r0
+    for rid, blocks in (("r1", 40), ("r2", 40)):
+        deps.index.set_capacity(rid, blocks)
+    deps.index.insert("r1", doc("other", 40))  # r1's cache is full; r2's is empty
+    params = dict(max_running=3, avg_output_tokens=16, busy_ms_per_request=0, load_slack=100,
+                  work_weight=0)  # fmt: skip
+    pol = build(deps, **params)
+    # r0: 2 ahead = 213 ms; a cold copy costs 134 ms where there is room, 269 ms on r1 (it
+    # pushes out 21 of r1's blocks, 134 ms to compute again).
+    d = pol.select(feat(doc("grp", 21)), view(4, 1, 1))
+    assert d.replica == "r2" and d.reason == "load-fallback"
+    deps.index.insert("r2", doc("more", 40))  # now r2 is full too
+    d = pol.select(feat(doc("grp", 21)), view(4, 1, 1))
+    assert d.replica == "r0" and d.reason == "prefix-hit"
+    blind = build(deps, **params, evict_weight=0)
+    assert blind.select(feat(doc("grp", 21)), view(4, 1, 1)).replica != "r0"

@@ -13,9 +13,10 @@ from policies.sessions import SessionTable
 TPH = 64
 PF = 0.1  # ms per prefill token (the default)
 # slot = 16 * 20 / 4 = 80 ms per request ahead once 4 are running
-# The TTFT model alone: no spill of a full replica (the load bound is tested in the cache_aware tests).
+# The TTFT model alone: no spill of a full replica, no price on recomputing or evicting (the load
+# bound and the penalties are tested in the cache_aware tests).
 QUEUE = dict(max_running=4, avg_output_tokens=16, decode_ms_per_token=20, busy_ms_per_request=2,
-             spill_when_full=False)
+             spill_when_full=False, work_weight=0, evict_weight=0)
 
 
 def doc(name: str, n: int) -> tuple[int, ...]:
