@@ -131,15 +131,15 @@ from __future__ import annotations
 from .base import BasePolicy
 from .cache_aware_scores import (
     CacheAwareParams,
+    Pressure,
     Score,
     engine_hit,
     pick,
     reason_for,
     warm_s,
-    work_factor,
 )
 from .deps import resolve_deps
-from .scoring import LoadBound, prompt_tokens
+from .scoring import prompt_tokens
 from .slots import SlotTimeline
 from .types import ClusterView, Decision, Outcome, RequestFeatures
 from .warming import Warming
@@ -160,12 +160,11 @@ class CacheAware(BasePolicy):
         self._sessions = d.sessions
         self._clock = d.clock
         self._p = params
-        self._bound = LoadBound(params.load_factor, params.load_slack)
+        self._pressure = Pressure(params)
         self._service_ms = params.avg_output_tokens * params.decode_ms_per_token
         self._slot_ms = self._service_ms / params.max_running
         self._decode_ratio = 1.0  # EWMA: real decode time / max_tokens * decode_ms_per_token
         self._warming = Warming()
-        self._work_memo: dict[int, float] = {}
         self._slots = SlotTimeline()
 
     def queue_ms(self, load: int, waiting: int = 0, replica: str | None = None,
@@ -188,7 +187,7 @@ class CacheAware(BasePolicy):
         matched = self._index.match(hashes) if hashes else {}
         now = self._clock()
         loads = [max(r.in_flight, r.running + r.waiting) for r in replicas]  # ReplicaState.load
-        limit = self._limit(loads)
+        limit = self._pressure.limit(loads)
         ready = self._ready_hits(req, replicas, matched, total, now) if matched else {}
         holder, top = self._holder(replicas, loads, ready)
         exempt = top if top and any(v[1] for v in ready.values()) else -1  # a copy in flight: its source may exceed the bound
@@ -196,8 +195,9 @@ class CacheAware(BasePolicy):
         busy = p.busy_ms_per_request
         free = p.max_running - 1  # up to this many in flight, a newcomer does not queue
         queue_ms = self.queue_ms
-        work = pf * self._work_factor(loads)  # what a recomputed token costs the others, ms
-        evict = pf * p.evict_weight * (1 + self._work_factor(loads)) * req.tokens_per_hash
+        wf = self._pressure.work(loads)
+        work = pf * wf  # what a recomputed token costs the others, ms
+        evict = pf * p.evict_weight * (1 + wf) * req.tokens_per_hash
         room = self._index.room
         n = len(hashes)
         scored: list[Score] = []
@@ -229,17 +229,6 @@ class CacheAware(BasePolicy):
                     pulls.append(Score(False, q + (total - have) * pf + pull_ms + pen, rid, have,
                                        load, pull, pull_ms, False, 0.0, pen))  # fmt: skip
         return self._decide(req, scored, pulls, holder, matched, total)
-
-    def _work_factor(self, loads: list[int]) -> float:
-        """``work_weight`` x ``work_factor`` at the replicas' mean utilisation (memoised by the
-        percent)."""
-        if not self._p.work_weight:
-            return 0.0
-        pct = min(95, 100 * sum(loads) // (len(loads) * self._p.max_running))
-        out = self._work_memo.get(pct)
-        if out is None:
-            out = self._work_memo[pct] = self._p.work_weight * work_factor(self._p.max_running, pct / 100)
-        return out
 
     def _decide(self, req: RequestFeatures, scored: list[Score], pulls: list[Score],
                 holder: str | None, matched: dict[str, int], total: int) -> Decision:  # fmt: skip
@@ -278,16 +267,6 @@ class CacheAware(BasePolicy):
             pull_from=holder if chosen.pull else None,
             pull_tokens=chosen.pull,
         )
-
-    def _limit(self, loads: list[int]) -> float:
-        """Loads above this are over the bound: the textbook bound with slack, or, tighter, a
-        fair share (``load_factor`` x mean) once requests already wait there for a slot."""
-        limit = self._bound.limit(loads)
-        if not self._p.spill_when_full:
-            return limit
-        fair = self._p.load_factor * sum(loads) / len(loads)
-        full = self._p.max_running  # past max_running requests already wait for a slot
-        return min(limit, max(fair, full)) if fair < limit else limit
 
     def _ready_hits(
         self, req: RequestFeatures, replicas: list, matched: dict[str, int], total: int, now: float

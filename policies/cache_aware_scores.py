@@ -139,3 +139,38 @@ def work_factor(servers: int, rho: float) -> float:
     when the replicas saturate (3 slots at 90%: 8)."""
     rho = min(rho, 0.95)
     return erlang_c(servers, rho) / (1.0 - rho)
+
+
+class Pressure:
+    """How loaded the replicas are, as ``cache_aware`` needs it: the load bound, and the price of
+    recomputing (``work_weight`` x ``work_factor`` at the mean utilisation, memoised by the
+    percent)."""
+
+    __slots__ = ("_p", "_bound", "_memo")
+
+    def __init__(self, params: CacheAwareParams) -> None:
+        self._p = params
+        self._bound = LoadBound(params.load_factor, params.load_slack)
+        self._memo: dict[int, float] = {}
+
+    def limit(self, loads: list[int]) -> float:
+        """Loads above this are over the bound: the textbook bound with slack, or, tighter (with
+        ``spill_when_full``), a fair share (``load_factor`` x mean) once requests already wait
+        there for a slot."""
+        limit = self._bound.limit(loads)
+        if not self._p.spill_when_full:
+            return limit
+        fair = self._p.load_factor * sum(loads) / len(loads)
+        full = self._p.max_running  # past max_running requests already wait for a slot
+        return min(limit, max(fair, full)) if fair < limit else limit
+
+    def work(self, loads: list[int]) -> float:
+        """Ms of others' waiting per ms of work added now (0 with ``work_weight`` 0)."""
+        p = self._p
+        if not p.work_weight:
+            return 0.0
+        pct = min(95, 100 * sum(loads) // (len(loads) * p.max_running))
+        out = self._memo.get(pct)
+        if out is None:
+            out = self._memo[pct] = p.work_weight * work_factor(p.max_running, pct / 100)
+        return out
