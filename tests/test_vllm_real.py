@@ -151,11 +151,14 @@ def test_completions_pass_through(rig):
         "prompt": prompt,
         "temperature": 0,
         "max_tokens": 6,
-        "extra_body": {"ignore_eos": True},
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
     }
     direct = rig.client(rig.servers[1].url).completions.create(**args)
     via = rig.client().completions.create(**args)
-    assert via.choices[0].text == direct.choices[0].text != ""
+    # The tokens, not only the text: the tiny random model's 6 tokens may decode to "".
+    assert via.choices[0].text == direct.choices[0].text
+    assert via.choices[0].token_ids == direct.choices[0].token_ids
+    assert len(via.choices[0].token_ids) == 6
     assert via.usage.completion_tokens == 6 and via.id.startswith("cmpl-")
     # vLLM's own 400 (too many tokens for the context) comes back as it is: no retry, no 502.
     too_long = {**args, "max_tokens": 100_000}
