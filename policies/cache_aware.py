@@ -209,7 +209,7 @@ class CacheAware(BasePolicy):
             hit, w, wait = ready.get(rid, _COLD)
             over = load > limit and hit != exempt
             new = n - matched.get(rid, 0)  # blocks the replica would store: what they push out
-            spill = evict * min(new, -room(rid) + new) if evict and new > room(rid) else 0.0
+            spill = evict * min(new, new - left) if evict and new > (left := room(rid)) else 0.0
             ttft = q + (total - hit) * pf
             pen = (total - hit) * work + spill
             if wait is not None:

@@ -135,7 +135,7 @@ def work_factor(servers: int, rho: float) -> float:
     """Milliseconds of other requests' waiting that one more millisecond of work on a replica
     costs, at utilisation ``rho`` (capped at 0.95) with ``servers`` slots: the chance that those
     arriving behind it wait at all (Erlang C) times the number of them it delays (about 1 / (1 -
-    rho): a busy period's length).  Near 0 while slots are free (8 slots at 40%: 0.02), large
+    rho): a busy period's length).  Near 0 while slots are free (8 slots at 40%: 0.03), large
     when the replicas saturate (3 slots at 90%: 8)."""
     rho = min(rho, 0.95)
     return erlang_c(servers, rho) / (1.0 - rho)

@@ -29,6 +29,7 @@ from policies.hashing import model_seed
 from .clock import Clock, LoopClock
 from .config import SimConfig, SimFaults
 from .kvpull import Inflight, PeerHoldings, make_planner
+from .metrics import metrics_text
 from .model import (
     PrefixCache,
     PromptBlocks,
@@ -373,32 +374,5 @@ class SimEngine:
         }
 
     def metrics_text(self) -> bytes:
-        """Prometheus text exposition with vLLM's metric names (as prometheus_client writes it)."""
-        label = '{model_name="' + _escape_label(self.config.model) + '"}'
-        s = self.stats
-        rows = (
-            ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", self.running),
-            ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", self.waiting),
-            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", self.kv_usage),
-            ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", s.prefix_queries),
-            ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_hits),
-            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", s.prompt_tokens),
-            ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", s.generation_tokens),
-        )  # fmt: skip
-        out = []
-        for name, kind, doc, value in rows:
-            out.append(
-                f"# HELP {name} {doc}\n# TYPE {name} {kind}\n{name}{label} {float(value)!r}\n"
-            )
-        cfg = self.config  # as vLLM reports its cache: the config as labels of a constant gauge
-        out.append(
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
-            "# TYPE vllm:cache_config_info gauge\n"
-            f'vllm:cache_config_info{{block_size="{cfg.block_size}",enable_prefix_caching='
-            f'"{cfg.cache_blocks > 0}",engine="0",num_gpu_blocks="{cfg.cache_blocks}"}} 1.0\n'
-        )
-        return "".join(out).encode()
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+        """Prometheus text exposition with vLLM's metric names (``gateway.sim.metrics``)."""
+        return metrics_text(self)
