@@ -128,6 +128,9 @@ while slack 4 still stops a hot prefix from herding.
 
 from __future__ import annotations
 
+from functools import partial
+from operator import itemgetter
+
 from .base import BasePolicy
 from .cache_aware_scores import (
     CacheAwareParams,
@@ -139,16 +142,13 @@ from .cache_aware_scores import (
     warm_s,
 )
 from .deps import resolve_deps
-from .scoring import prompt_tokens
 from .slots import SlotTimeline
 from .types import ClusterView, Decision, Outcome, RequestFeatures
 from .warming import Warming
 
-_COLD: tuple[int, bool, None] = (0, False, None)  # a replica that holds none of the prefix
-
-
-def _BY_BOUND_THEN_TTFT(s: Score) -> tuple[bool, float]:  # noqa: N802 - a sort key
-    return s.over, s.ttft
+_NONE: dict = {}  # read only: no match, no prefill in flight, no wait
+_score = partial(tuple.__new__, Score)  # Score(...) without its Python-level __new__ (3x faster)
+_BY_BOUND_THEN_TTFT = itemgetter(0, 1)  # Score.over, Score.ttft
 
 
 class CacheAware(BasePolicy):
@@ -183,51 +183,56 @@ class CacheAware(BasePolicy):
         replicas = self.eligible(req, view)
         p = self._p
         hashes = req.prefix_hashes
-        total = req.prompt_tokens or len(hashes) * req.tokens_per_hash
-        matched = self._index.match(hashes) if hashes else {}
+        n = len(hashes)
+        tph = req.tokens_per_hash
+        total = req.prompt_tokens or n * tph
+        matched = self._index.match(hashes) if n else _NONE
         now = self._clock()
+        ids = [r.id for r in replicas]
         loads = [max(r.in_flight, r.running + r.waiting) for r in replicas]  # ReplicaState.load
         limit = self._pressure.limit(loads)
-        ready = self._ready_hits(req, replicas, matched, total, now) if matched else {}
-        holder, top = self._holder(replicas, loads, ready)
-        exempt = top if top and any(v[1] for v in ready.values()) else -1  # a copy in flight: its source may exceed the bound
+        # replicas still computing part of their match (a prefill in flight): blocks ready there
+        cuts = self._warming.cuts(hashes, matched, now) if matched else _NONE
+        hits = self._hits(ids, matched, cuts, total, tph)
+        warm = cuts and any(rid in cuts for rid in ids)
+        top = max(hits)
+        exempt = top if top and warm else -1  # a copy in flight: its source may exceed the bound
+        holder = self._holder(ids, loads, hits, top)
+        waits = self._waits(ids, hashes, matched, cuts, total, tph, now) if warm else _NONE
         pf = p.prefill_ms_per_token
         busy = p.busy_ms_per_request
         free = p.max_running - 1  # up to this many in flight, a newcomer does not queue
         queue_ms = self.queue_ms
         wf = self._pressure.work(loads)
         work = pf * wf  # what a recomputed token costs the others, ms
-        evict = pf * p.evict_weight * (1 + wf) * req.tokens_per_hash
-        room = self._index.room
-        n = len(hashes)
+        evict = pf * p.evict_weight * (1 + wf) * tph
+        rooms = self._index.rooms(ids) if evict else [0] * len(ids)
         scored: list[Score] = []
         pulls: list[Score] = []  # the same replicas, pulling from the holder first
-        for r, load in zip(replicas, loads, strict=True):
-            rid = r.id
+        for r, rid, load, hit, left in zip(replicas, ids, loads, hits, rooms, strict=True):
             waiting = r.waiting
             q = load * busy if load <= free and waiting <= 0 else queue_ms(load, waiting, rid, now)
-            hit, w, wait = ready.get(rid, _COLD)
             over = load > limit and hit != exempt
             new = n - matched.get(rid, 0)  # blocks the replica would store: what they push out
-            spill = evict * min(new, new - left) if evict and new > (left := room(rid)) else 0.0
+            spill = evict * min(new, new - left) if evict and new > left else 0.0
             ttft = q + (total - hit) * pf
             pen = (total - hit) * work + spill
-            if wait is not None:
-                full, hold_ms = wait
+            if waits and rid in waits:
+                full, hold_ms = waits[rid]
                 ttft_w = q + hold_ms + (total - full) * pf
                 pen_w = (total - full) * work + spill
                 if ttft_w + pen_w < ttft + pen:  # wait for the prefill in flight: no recompute
-                    scored.append(Score(over, ttft_w + pen_w, rid, full, load, 0, 0.0, w, hold_ms,
-                                        pen_w))  # fmt: skip
+                    scored.append(_score((over, ttft_w + pen_w, rid, full, load, 0, 0.0, True,
+                                          hold_ms, pen_w)))  # fmt: skip
                     continue
-            scored.append(Score(over, ttft + pen, rid, hit, load, 0, 0.0, w, 0.0, pen))
+            scored.append(_score((over, ttft + pen, rid, hit, load, 0, 0.0, rid in cuts, 0.0, pen)))
             if holder is not None and load <= limit:
                 pull, pull_ms = self._pull(top - hit)
                 if pull:
                     have = hit + pull
                     pen = (total - have) * work + spill
-                    pulls.append(Score(False, q + (total - have) * pf + pull_ms + pen, rid, have,
-                                       load, pull, pull_ms, False, 0.0, pen))  # fmt: skip
+                    pulls.append(_score((False, q + (total - have) * pf + pull_ms + pen, rid, have,
+                                         load, pull, pull_ms, False, 0.0, pen)))  # fmt: skip
         return self._decide(req, scored, pulls, holder, matched, total)
 
     def _decide(self, req: RequestFeatures, scored: list[Score], pulls: list[Score],
@@ -268,42 +273,43 @@ class CacheAware(BasePolicy):
             pull_tokens=chosen.pull,
         )
 
-    def _ready_hits(
-        self, req: RequestFeatures, replicas: list, matched: dict[str, int], total: int, now: float
-    ) -> dict[str, tuple[int, bool, tuple[int, float] | None]]:
-        """Per replica that matches: cached tokens that exist now (not still being computed);
-        whether part of the match is still being computed there; and then (with
-        ``wait_for_prefill``) the tokens cached once it is, and the ms until then."""
-        warming = self._warming
-        hashes = req.prefix_hashes
-        tph = req.tokens_per_hash
+    def _hits(self, ids: list[str], matched: dict[str, int], cuts: dict[str, int], total: int,
+              tph: int) -> list[int]:  # fmt: skip
+        """Per replica: the cached tokens it holds now (blocks still being computed left out)."""
+        if not matched:
+            return [0] * len(ids)
         block = self._p.engine_block_tokens
-        wait = self._p.wait_for_prefill
-        out: dict[str, tuple[int, bool, tuple[int, float] | None]] = {}
-        for r in replicas:
-            m = matched.get(r.id)
-            if not m:
-                continue
-            k = warming.ready(r.id, hashes, m, now)
-            hit = engine_hit(k * tph, total, block, tph // 4) if block > 1 else min(k * tph, total)
-            if k < m and wait:
-                until = warming.until(r.id, hashes, m, now)
+        if block <= 1 and not cuts:
+            get = matched.get
+            return [min(get(rid, 0) * tph, total) for rid in ids]
+        ks = [cuts.get(rid, matched.get(rid, 0)) for rid in ids]
+        if block <= 1:
+            return [min(k * tph, total) for k in ks]
+        return [engine_hit(k * tph, total, block, tph // 4) if k else 0 for k in ks]
+
+    def _waits(self, ids: list[str], hashes: tuple[int, ...], matched: dict[str, int],
+               cuts: dict[str, int], total: int, tph: int,
+               now: float) -> dict[str, tuple[int, float]]:  # fmt: skip
+        """With ``wait_for_prefill``, per replica still computing part of its match: the tokens
+        cached once it is done, and the ms until then."""
+        if not self._p.wait_for_prefill:
+            return _NONE
+        block = self._p.engine_block_tokens
+        out = {}
+        for rid in ids:
+            if rid in cuts:
+                m = matched[rid]
+                until = self._warming.until(rid, hashes, m, now)
                 full = engine_hit(m * tph, total, block, tph // 4)
-                out[r.id] = (hit, True, (full, (until - now) * 1000))
-            else:
-                out[r.id] = (hit, k < m, None)
+                out[rid] = (full, (until - now) * 1000)
         return out
 
-    def _holder(
-        self, replicas: list, loads: list[int], ready: dict[str, tuple]
-    ) -> tuple[str | None, int]:
+    def _holder(self, ids: list[str], loads: list[int], hits: list[int], top: int) -> str | None:
         """The least loaded replica with the longest hit, when migration is on and it matters."""
-        top = max((v[0] for v in ready.values()), default=0)
         if not self._p.migrate or top < self._p.migrate_min_tokens:
-            return None, top
-        i = min((i for i, r in enumerate(replicas) if ready.get(r.id, _COLD)[0] == top),
-                key=loads.__getitem__)  # fmt: skip
-        return replicas[i].id, top
+            return None
+        i = min((i for i, h in enumerate(hits) if h == top), key=loads.__getitem__)
+        return ids[i]
 
     def _pull(self, missing: int) -> tuple[int, float]:
         """(tokens to pull, transfer ms) for a replica ``missing`` tokens short of the holder."""
@@ -329,30 +335,27 @@ class CacheAware(BasePolicy):
             if predicted > 0:
                 self._decode_ratio += alpha * (ms / predicted - self._decode_ratio)
 
-    def _start_warming(self, req: RequestFeatures, decision: Decision, now: float,
-                       ttft_ms: float) -> None:  # fmt: skip
-        """Record the prefill this dispatch starts (``ttft_ms`` from now), if long enough for a
-        follower to care."""
-        tph = req.tokens_per_hash
-        # Blocks matched but not ready are an earlier request's, ready before these.
-        first = max(decision.predicted_cached_tokens // tph,
-                    int(decision.scores.get("matched_blocks", 0)))  # fmt: skip
-        computing = prompt_tokens(req) - first * tph
-        if computing * self._p.prefill_ms_per_token >= self._p.warm_min_ms:
-            ready_at = now + warm_s(ttft_ms)
-            self._warming.start(decision.replica, req.prefix_hashes, first, ready_at)
-
     def on_dispatch(self, req: RequestFeatures, decision: Decision, view: ClusterView) -> None:
         now = self._clock()
         scores = decision.scores  # on_dispatch runs once any hold is over: TTFT from now
         ttft_ms = scores.get("ttft_ms", 0.0) - scores.get("hold_ms", 0.0)
-        if req.prefix_hashes:
-            self._index.insert(decision.replica, req.prefix_hashes, now)
-            self._start_warming(req, decision, now, ttft_ms)
-        decode_ms = self._decode_prior_ms(req) * self._decode_ratio
-        self._slots.start(decision.replica, id(req), now + (ttft_ms + decode_ms) / 1000)
+        replica = decision.replica
+        hashes = req.prefix_hashes
+        p = self._p
+        if hashes:
+            self._index.insert(replica, hashes, now)
+            # Record the prefill it starts, if long enough for a follower to care.  Blocks
+            # matched but not ready are an earlier request's, ready before these.
+            tph = req.tokens_per_hash
+            first = max(decision.predicted_cached_tokens // tph,
+                        int(scores.get("matched_blocks", 0)))  # fmt: skip
+            computing = (req.prompt_tokens or len(hashes) * tph) - first * tph
+            if computing * p.prefill_ms_per_token >= p.warm_min_ms:
+                self._warming.start(replica, hashes, first, now + warm_s(ttft_ms))
+        decode_ms = (req.max_tokens or p.avg_output_tokens) * p.decode_ms_per_token
+        self._slots.start(replica, id(req), now + (ttft_ms + decode_ms * self._decode_ratio) / 1000)
         if req.session_key is not None:
-            self._sessions.bind(req.session_key, decision.replica)
+            self._sessions.bind(req.session_key, replica)
 
     def on_first_token(self, req: RequestFeatures, replica_id: str) -> None:
         if req.prefix_hashes:

@@ -74,19 +74,26 @@ def pick(ties: list[Score], bound_id: str | None, req: RequestFeatures,
          footprint: Callable[[str], int]) -> Score:  # fmt: skip
     """The session's replica if it ties; else the ties already computing this prefix, if any;
     then among the least loaded of those: the longest hit, the smallest cache footprint (blocks
-    the index records for it), and rendezvous."""
+    the index records for it), and rendezvous (each criterion asked only of those still tied)."""
     if len(ties) == 1:
         return ties[0]
     for s in ties:
         if s.id == bound_id:
             return s
     ties = [s for s in ties if s.warm] or ties  # equally cold there: no second copy
-    low = min(s.load for s in ties) + 1
-    seed = rendezvous_seed(rendezvous_key(req))
-    return max(
-        (s for s in ties if s.load <= low),
-        key=lambda s: (s.hit, -footprint(s.id), hrw_weight(seed, s.id)),
-    )
+    low = min([s.load for s in ties]) + 1
+    ties = [s for s in ties if s.load <= low]
+    if len(ties) > 1:
+        top = max([s.hit for s in ties])
+        ties = [s for s in ties if s.hit == top]
+    if len(ties) > 1:
+        sizes = [footprint(s.id) for s in ties]
+        least = min(sizes)
+        ties = [s for s, size in zip(ties, sizes, strict=True) if size == least]
+    if len(ties) > 1:
+        seed = rendezvous_seed(rendezvous_key(req))
+        return max(ties, key=lambda s: hrw_weight(seed, s.id))
+    return ties[0]
 
 
 def reason_for(chosen: Score, top: int, ties: list[Score], bound_id: str | None) -> str:

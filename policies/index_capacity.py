@@ -21,6 +21,11 @@ class CapacityModel:
         """Blocks the replica can still record before the capacity model evicts (< 0: never)."""
         return self._effective.get(replica_id, self.default_capacity) - self._blocks.get(replica_id, 0)
 
+    def rooms(self, replica_ids: Sequence[str]) -> list[int]:
+        """``room`` of each replica, in order."""
+        eff, blocks, default = self._effective, self._blocks, self.default_capacity
+        return [eff.get(r, default) - blocks.get(r, 0) for r in replica_ids]
+
     def configured_capacity(self, replica_id: str) -> int | None:
         """The capacity configured for a replica (None: it has the default, or is unknown)."""
         return self._configured.get(replica_id) if replica_id in self._set else None

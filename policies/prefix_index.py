@@ -202,13 +202,13 @@ class PrefixIndex(CapacityModel, KvEvents):
             if last is not None and not last.forked:
                 k = self._register(tail, last)
                 if k:
-                    last.seg += tail[:k]
+                    last.seg += tail if k == len(tail) else tail[:k]
                     last.held[replica_id] += k
             else:
                 node = Node(i, hs[i - 1] if i else None)
                 k = self._register(tail, node)
                 if k:
-                    node.seg = list(tail[:k])
+                    node.seg = list(tail if k == len(tail) else tail[:k])
                     node.held[replica_id] = k
                     self._nodes += 1
                     path.append(node)

@@ -17,6 +17,8 @@ Algorithm (pure, per policy instance, not shared between gateways):
   one tuple compare per entry -- none when ``matched`` ends before every entry's ``first`` (a
   shared system prompt matched on every replica, while each computes its own conversations):
   each replica keeps the least ``first`` of its entries.
+* ``cuts(hashes, matched, now)``: ``ready`` for all the replicas that match in one call, keeping
+  only those where part of the match is still being computed (usually none).
 * ``until(replica, hashes, matched, now)``: when all ``matched`` blocks will exist there (the
   latest ``ready_at`` of the live entries in them; ``now`` if none): how long a follower would
   wait to find the whole prefix instead of recomputing it.
@@ -52,10 +54,19 @@ class Warming:
         live = self._live.get(replica)
         if not live or matched <= self._lo[replica]:
             return matched
-        out = matched
-        for ready_at, first, h in live:
-            if first < out and ready_at > now and hashes[first] == h:
-                out = first
+        return _ready(live, hashes, matched, now)
+
+    def cuts(self, hashes: Sequence[int], matched: dict[str, int], now: float) -> dict[str, int]:
+        """``ready`` for every replica in ``matched`` (replica -> matched blocks) at once, only
+        those with part of their match still being computed: replica -> blocks ready."""
+        out: dict[str, int] = {}
+        lo = self._lo
+        for replica, live in self._live.items():
+            m = matched.get(replica)
+            if m and live and m > lo[replica]:
+                k = _ready(live, hashes, m, now)
+                if k < m:
+                    out[replica] = k
         return out
 
     def until(self, replica: str, hashes: Sequence[int], matched: int, now: float) -> float:
@@ -80,3 +91,13 @@ class Warming:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._live.values())
+
+
+def _ready(live: deque[tuple[float, int, int]], hashes: Sequence[int], matched: int,
+           now: float) -> int:  # fmt: skip
+    """The least ``first`` of the live entries that are the chain's blocks below ``matched``."""
+    out = matched
+    for ready_at, first, h in live:
+        if first < out and ready_at > now and hashes[first] == h:
+            out = first
+    return out

@@ -177,8 +177,8 @@ def test_policy_bench_keeps_a_steady_in_flight_window_and_reports_every_policy(c
 
     res = bench_policy("cache_aware", replicas=4, hashes=16, sessions=10, requests=40, in_flight=8)
     for scenario in ("warm", "cold"):
-        mean, p50, p99 = res[scenario]
-        assert 0 < p50 <= p99 and mean > 0
+        mean, p50, p99, select = res[scenario]
+        assert 0 < p50 <= p99 and mean > 0 and 0 < select < p99
     argv = ["bench", "policy", "--replicas", "4", "--hashes", "16", "--sessions", "10",
             "--requests", "40", "--memory-blocks", "2048", "--rounds", "2"]  # fmt: skip
     assert cli_main(argv) == 0
