@@ -4,7 +4,8 @@ A policy that predicts a follower does better waiting for a prefill in flight th
 it sets ``Decision.hold_s``: the predicted end of that prefill.  ``PrefillHolds.wait`` holds the
 request until a first token from its replica makes the policy's ``hold_left`` 0 (the leader's
 prompt is cached there), at most ``hold_s``; the request counts as in flight on the replica
-meanwhile, so other decisions see it coming.  ``first_token`` is the proxy's report of a first
+meanwhile, so other decisions see it coming, and as ``held`` there: a request sent now queues
+ahead of it.  ``first_token`` is the proxy's report of a first
 token (streamed or not): it tells the policy and wakes the requests held on that replica, which
 ask ``hold_left`` again.  The policy hooks are optional (``policies.base.BasePolicy`` has them).
 """
@@ -34,7 +35,7 @@ class PrefillHolds:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + hold_s
         waiters = self._held.setdefault(replica_id, set())
-        self.pool.begin(replica_id)
+        self.pool.begin(replica_id, held=True)
         try:
             while (left := deadline - loop.time()) > 0:
                 woken = loop.create_future()
@@ -48,6 +49,7 @@ class PrefillHolds:
                 if self._hold_left is None or self._hold_left(features, replica_id) <= 0:
                     break
         finally:
+            self.pool.release(replica_id)
             self.pool.end(replica_id)
 
     def first_token(self, features: RequestFeatures, replica_id: str) -> None:

@@ -35,3 +35,8 @@ def setup_logging(level: str = "info", stream=None) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+def rounded(value: float | None, digits: int = 2) -> float | None:
+    """A figure for a log line (None stays None: the field is unknown)."""
+    return None if value is None else round(value, digits)

@@ -14,7 +14,7 @@ class Replica:
     __slots__ = (
         "id", "url", "models", "static_models", "healthy", "draining", "in_flight",
         "running", "waiting", "kv_usage", "failures", "metrics_ok", "removing", "remote_in_flight",
-        "others", "others_waiting", "_scraped_others", "_remote_at_scrape", "kv_tokens",
+        "others", "others_waiting", "_scraped_others", "_remote_at_scrape", "kv_tokens", "held",
     )
 
     def __init__(self, cfg: ReplicaConfig) -> None:
@@ -25,6 +25,7 @@ class Replica:
         self.healthy = True  # optimistic until the first health check says otherwise
         self.draining = False
         self.in_flight = 0
+        self.held = 0  # of in_flight: held at this gateway until a prefill they follow is done
         self.running = 0
         self.waiting = 0
         self.kv_usage = 0.0
@@ -69,15 +70,15 @@ class Replica:
         waiting = self.others_waiting
         return ReplicaState(  # positional: the fields' order (the cheapest call)
             self.id, self.url, self.healthy, sent, sent + self.others - waiting, waiting,
-            self.kv_usage, self.models, self.draining,
+            self.kv_usage, self.models, self.draining, self.held,
         )
 
     def to_json(self) -> dict:
         return {
             "id": self.id, "url": self.url, "models": sorted(self.models),
             "healthy": self.healthy, "draining": self.draining, "in_flight": self.in_flight,
-            "running": self.running, "waiting": self.waiting, "kv_usage": self.kv_usage,
-            "consecutive_failures": self.failures, "removing": self.removing,
+            "held": self.held, "running": self.running, "waiting": self.waiting,
+            "kv_usage": self.kv_usage, "consecutive_failures": self.failures, "removing": self.removing,
             "remote_in_flight": self.remote_in_flight,
         }
 
@@ -132,10 +133,18 @@ class ReplicaPool:
             rep.set_remote(max(0, int(totals.get(rep.id, 0))))
 
     # --- request accounting -------------------------------------------------------------
-    def begin(self, replica_id: str) -> None:
+    def begin(self, replica_id: str, held: bool = False) -> None:
+        """A request is on its way to ``replica_id`` (``held``: at the gateway for now)."""
         rep = self._replicas.get(replica_id)
         if rep is not None:
             rep.in_flight += 1
+            rep.held += held
+
+    def release(self, replica_id: str) -> None:
+        """A request held for ``replica_id`` is sent, or given up (``end`` follows then)."""
+        rep = self._replicas.get(replica_id)
+        if rep is not None and rep.held > 0:
+            rep.held -= 1
 
     def end(self, replica_id: str) -> None:
         rep = self._replicas.get(replica_id)

@@ -85,6 +85,21 @@ Algorithm (filter -> score -> pick):
   is being computed somewhere (a replica is computing part of this prompt's prefix), the
   replicas holding the longest ready hit stay eligible: sending more followers to the copy would
   make each of them recompute it, so they wait in the holder's queue if that is faster.
+* A prefix that needs another copy (``replicate_util``, ``policies.demand``): the longest prefix
+  any replica holds of the request, named by its last hash, is asked for at some rate; times a
+  request's slot time (its decode prior) that is the slots it keeps busy.  When that exceeds
+  ``replicate_util`` x its holders' slots (``max_running`` each), the holders are set aside for
+  this request (unless every replica holds it), the bound is the tight one, and neither
+  recomputing nor evicting is priced: the copy is needed, and made now, while slots elsewhere
+  are free, not once the holder's queue is longer than a cold prefill (in the hot-prefix
+  benchmark at 3 slots that backlog lasted the run: TTFT p50 1.4x round robin's; now ~1.05x).
+  A conversation's turns are each a prefix of their own, asked for once: never copied.
+* Requests held at the gateway (``ReplicaState.held``) count in ``load`` (the bound) but not
+  in the queue of a request sent now, which reaches the engine before them.  A follower's wait
+  for a slot runs while the prefill it waits for does: it is held only for the part of the
+  prefill its predicted slot wait (counted at half: a follower whose slot comes before the
+  prefix exists recomputes all of it) does not cover, and when held, it queues with the
+  requests held there before it.
 * Pick: the minimum ttft; replicas within ``tie_ms`` of it are ties.  The session's current
   binding wins if it is among them (stickiness costs nothing there); otherwise the ties already
   computing this prefix, if any (equally cold there, and no second copy); then among those whose
@@ -104,26 +119,7 @@ Algorithm (filter -> score -> pick):
   had recorded long enough before the dispatch -> remember less).  A request that failed before
   its first token never filled the cache: its blocks beyond the predicted hit are forgotten.
 
-Parameters (defaults sized for an 8B model on one H100; set ``max_running`` to the engine's real
-concurrency -- e.g. vLLM's max_num_seqs, or the simulator's max_running -- since below it the model
-sees no queue and only the load bound guards against herding):
-prefill_ms_per_token 0.1, decode_ms_per_token 20, max_running 64, avg_output_tokens 256,
-busy_ms_per_request 2, load_factor 1.25, load_slack 4, spill_when_full false, tie_ms 5 (about two
-requests of interference: a wider window threw away real hits -- in the hot_prefix benchmark a
-100 ms window scattered every 44 ms tail prefix over all replicas), service_alpha 0.05,
-warm_min_ms 20, wait_for_prefill true, learn_capacity true, work_weight 0.3, evict_weight 1
-(weight 1 kept one more point of hits at 90% busy, at 1.4x the TTFT p99); migrate false,
-pull_margin_ms 100, transfer_ms_per_token 0.01
-(an 8B model's 128 KiB of KV per token at 12.5 GB/s), transfer_overhead_ms 2, migrate_min_tokens
-256, engine_block_tokens 1 (no rounding; set it to the engine's block size -- vLLM's --block-size:
-16 on GPUs by default, 128 on CPUs -- when its blocks are much longer than ``tokens_per_hash``:
-otherwise a shared prefix shorter than one engine block is predicted as cached, reported as 0,
-and every such request after ``settle_s`` is taken for an eviction and shrinks the learned
-capacity by 10%).
-``load_slack`` 4 rather than the textbook bound (``load + 1 <= c * (mean + 1)``, i.e. slack
-``c - 1``): in a simulation of multi-turn sessions on 8 replicas the tight bound moved sessions
-away from their cache at low load (hit rate 0.84 against 0.91, mean TTFT 226 ms against 124 ms)
-while slack 4 still stops a hot prefix from herding.
+Parameters: ``CacheAwareParams`` (``policies.cache_aware_scores``), with why each default.
 """
 
 from __future__ import annotations
@@ -141,6 +137,7 @@ from .cache_aware_scores import (
     reason_for,
     warm_s,
 )
+from .demand import PrefixDemand
 from .deps import resolve_deps
 from .slots import SlotTimeline
 from .types import ClusterView, Decision, Outcome, RequestFeatures
@@ -165,6 +162,7 @@ class CacheAware(BasePolicy):
         self._slot_ms = self._service_ms / params.max_running
         self._decode_ratio = 1.0  # EWMA: real decode time / max_tokens * decode_ms_per_token
         self._warming = Warming()
+        self._demand = PrefixDemand()
         self._slots = SlotTimeline()
 
     def queue_ms(self, load: int, waiting: int = 0, replica: str | None = None,
@@ -190,7 +188,9 @@ class CacheAware(BasePolicy):
         now = self._clock()
         ids = [r.id for r in replicas]
         loads = [max(r.in_flight, r.running + r.waiting) for r in replicas]  # ReplicaState.load
-        limit = self._pressure.limit(loads)
+        top_blocks = max(matched.values()) if matched else 0
+        copy = top_blocks and self._needs_copy(req, ids, matched, top_blocks, now)
+        limit = self._pressure.limit(loads, copy)
         # replicas still computing part of their match (a prefill in flight): blocks ready there
         cuts = self._warming.cuts(hashes, matched, now) if matched else _NONE
         hits = self._hits(ids, matched, cuts, total, tph)
@@ -203,23 +203,33 @@ class CacheAware(BasePolicy):
         busy = p.busy_ms_per_request
         free = p.max_running - 1  # up to this many in flight, a newcomer does not queue
         queue_ms = self.queue_ms
-        wf = self._pressure.work(loads)
+        wf = 0.0 if copy else self._pressure.work(loads)  # a copy it needs is no loss
         work = pf * wf  # what a recomputed token costs the others, ms
-        evict = pf * p.evict_weight * (1 + wf) * tph
+        evict = 0.0 if copy else pf * p.evict_weight * (1 + wf) * tph
         rooms = self._index.rooms(ids) if evict else [0] * len(ids)
         scored: list[Score] = []
         pulls: list[Score] = []  # the same replicas, pulling from the holder first
         for r, rid, load, hit, left in zip(replicas, ids, loads, hits, rooms, strict=True):
             waiting = r.waiting
-            q = load * busy if load <= free and waiting <= 0 else queue_ms(load, waiting, rid, now)
-            over = load > limit and hit != exempt
-            new = n - matched.get(rid, 0)  # blocks the replica would store: what they push out
+            ahead = load - r.held  # held at the gateway: a request sent now queues before them
+            q = ahead * busy if ahead <= free and waiting <= 0 else queue_ms(ahead, waiting, rid, now)
+            m = matched.get(rid, 0)
+            # over the bound; or, when the prefix needs another copy, already holding it
+            over = (load > limit and hit != exempt) or (copy and m >= top_blocks)
+            new = n - m  # blocks the replica would store: what they push out
             spill = evict * min(new, new - left) if evict and new > left else 0.0
             ttft = q + (total - hit) * pf
             pen = (total - hit) * work + spill
             if waits and rid in waits:
-                full, hold_ms = waits[rid]
-                ttft_w = q + hold_ms + (total - full) * pf
+                full, ready_ms = waits[rid]
+                # Its wait there for a slot runs while the prefill does: hold only for the
+                # rest, counting half the predicted wait (a follower whose slot comes before
+                # the prefix exists computes all of it again).  Held, it is sent with those
+                # held there before it, and queues with them.
+                slot_ms = (q - ahead * busy) * 0.5
+                hold_ms = ready_ms - slot_ms if ready_ms > slot_ms else 0.0
+                q_w = queue_ms(load, waiting, rid, now) if hold_ms and r.held else q
+                ttft_w = q_w + hold_ms + (total - full) * pf
                 pen_w = (total - full) * work + spill
                 if ttft_w + pen_w < ttft + pen:  # wait for the prefill in flight: no recompute
                     scored.append(_score((over, ttft_w + pen_w, rid, full, load, 0, 0.0, True,
@@ -233,10 +243,11 @@ class CacheAware(BasePolicy):
                     pen = (total - have) * work + spill
                     pulls.append(_score((False, q + (total - have) * pf + pull_ms + pen, rid, have,
                                          load, pull, pull_ms, False, 0.0, pen)))  # fmt: skip
-        return self._decide(req, scored, pulls, holder, matched, total)
+        return self._decide(req, scored, pulls, holder, matched, total, top_blocks)
 
     def _decide(self, req: RequestFeatures, scored: list[Score], pulls: list[Score],
-                holder: str | None, matched: dict[str, int], total: int) -> Decision:  # fmt: skip
+                holder: str | None, matched: dict[str, int], total: int,
+                top_blocks: int) -> Decision:  # fmt: skip
         """Pick among the ties (see the header) and build the decision."""
         p = self._p
         best = min([s.ttft for s in scored if not s.over])
@@ -267,11 +278,26 @@ class CacheAware(BasePolicy):
                 "matched_blocks": float(matched.get(chosen.id, 0)),
                 "pull_ms": chosen.pull_ms,
                 "hold_ms": hold_ms,
+                "top_blocks": float(top_blocks),
             },
             hold_s=hold_ms / 1000,
             pull_from=holder if chosen.pull else None,
             pull_tokens=chosen.pull,
         )
+
+    def _needs_copy(self, req: RequestFeatures, ids: list[str], matched: dict[str, int],
+                    top_blocks: int, now: float) -> bool:  # fmt: skip
+        """Whether the longest prefix held of the request is asked for faster than the replicas
+        holding it all can serve (``policies.demand``)."""
+        util = self._p.replicate_util
+        if not util:
+            return False
+        holders = sum([matched.get(rid, 0) >= top_blocks for rid in ids])
+        if holders >= len(ids):
+            return False
+        service_s = self._decode_prior_ms(req) * self._decode_ratio / 1000
+        key = req.prefix_hashes[top_blocks - 1]
+        return self._demand.needs_copy(key, now, holders, service_s, self._p.max_running, util)
 
     def _hits(self, ids: list[str], matched: dict[str, int], cuts: dict[str, int], total: int,
               tph: int) -> list[int]:  # fmt: skip
@@ -343,6 +369,9 @@ class CacheAware(BasePolicy):
         hashes = req.prefix_hashes
         p = self._p
         if hashes:
+            top = int(scores.get("top_blocks", 0))
+            if top and self._p.replicate_util:
+                self._demand.record(hashes[top - 1], now)
             self._index.insert(replica, hashes, now)
             # Record the prefill it starts, if long enough for a follower to care.  Blocks
             # matched but not ready are an earlier request's, ready before these.

@@ -11,7 +11,9 @@ class ReplicaState(NamedTuple):
 
     ``in_flight`` is what the gateway(s) have sent and not yet seen finish; ``running`` and
     ``waiting`` are the engine's own numbers scraped from its /metrics (0 when unknown);
-    ``kv_usage`` is the engine's KV-cache utilisation in [0, 1].  A named tuple rather than a
+    ``kv_usage`` is the engine's KV-cache utilisation in [0, 1].  ``held`` of the ``in_flight``
+    wait at the gateway for a prefill they follow: the replica will have them, but a request sent
+    now queues ahead of them.  A named tuple rather than a
     frozen dataclass: the gateway builds one per replica per request, and a tuple is built in a
     third of the time.
     """
@@ -25,6 +27,7 @@ class ReplicaState(NamedTuple):
     kv_usage: float = 0.0
     models: frozenset[str] = frozenset()
     draining: bool = False
+    held: int = 0  # of ``in_flight``: held at a gateway (``Decision.hold_s``), not sent yet
 
     @property
     def load(self) -> int:

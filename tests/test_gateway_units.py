@@ -1,5 +1,7 @@
 """Unit tests of the gateway's pure parts: config, request features, metrics parsing, usage."""
 
+import asyncio
+
 import orjson
 import pytest
 
@@ -7,9 +9,11 @@ from gateway.capacity import sync_capacities
 from gateway.config import GatewayConfig, ReplicaConfig, load_config
 from gateway.errors import BadRequest, ConfigError
 from gateway.features import CHAT, COMPLETION, EMBEDDINGS, RESPONSES, parse_request
+from gateway.holds import PrefillHolds
 from gateway.replicas import ReplicaPool, parse_engine_metrics
 from gateway.upstream import request_headers, response_headers
 from gateway.wire import cached_tokens, usage_from_sse_tail
+from policies import PolicyDeps, RequestFeatures, default_registry
 from policies.hashing import hash_bytes, model_seed, render_chat
 from policies.prefix_index import PrefixIndex
 
@@ -232,3 +236,21 @@ def test_pool_accounting_and_passive_ejection():
 
 def test_gateway_config_defaults_are_valid():
     assert GatewayConfig().validate().policy
+
+
+async def test_a_held_request_counts_in_flight_and_held_until_it_is_sent() -> None:
+    """The snapshot shows a request held for a prefill as in flight (other decisions see it
+    coming) and as held (one sent now queues ahead of it); both go when it is released."""
+    pool = ReplicaPool([ReplicaConfig("http://a:1")])
+    rid = next(iter(pool)).id
+    policy = default_registry().build("cache_aware", {}, PolicyDeps(index=PrefixIndex()))
+    holds = PrefillHolds(pool, policy)
+    req = RequestFeatures("m", (1, 2, 3), 64, 192)
+    task = asyncio.ensure_future(holds.wait(rid, 30.0, req))
+    await asyncio.sleep(0)  # the hold starts
+    state = pool.snapshot().replicas[0]
+    assert (state.in_flight, state.held) == (1, 1) and not task.done()
+    holds.first_token(req, rid)  # the prefix it waits for exists now (hold_left is 0)
+    await asyncio.wait_for(task, 5)
+    state = pool.snapshot().replicas[0]
+    assert (state.in_flight, state.held) == (0, 0)
