@@ -40,3 +40,22 @@ def setup_logging(level: str = "info", stream=None) -> None:
 def rounded(value: float | None, digits: int = 2) -> float | None:
     """A figure for a log line (None stays None: the field is unknown)."""
     return None if value is None else round(value, digits)
+
+
+def access_fields(ex, policy: str, cached: int | None, elapsed_s: float) -> dict:
+    """The access log line of a finished exchange (``gateway.proxy``): where it went and why,
+    what the policy predicted for its first choice (``cache_aware``'s TTFT, queue and cached
+    tokens) and what happened."""
+    decision = ex.decision
+    scores = decision.scores
+    return {
+        "request_id": ex.request_id, "route": ex.route, "status": ex.status,
+        "replica": ex.replica, "policy": policy, "reason": decision.reason,
+        "predicted_ttft_ms": rounded(scores.get("ttft_ms")),
+        "predicted_queue_ms": rounded(scores.get("queue_ms")),
+        "predicted_cached_tokens": decision.predicted_cached_tokens,
+        "hold_ms": round(decision.hold_s * 1000, 2), "cached_tokens": cached,
+        "attempts": ex.attempts, "model": ex.features.model,
+        "duration_ms": round(elapsed_s * 1000, 2),
+        "ttft_ms": None if ex.ttft is None else round(ex.ttft * 1000, 2),
+    }

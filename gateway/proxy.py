@@ -30,7 +30,7 @@ from .fastmetrics import Children, status_label
 from .features import parse_request
 from .holds import PrefillHolds
 from .kvhints import pull_hint_body
-from .logs import rounded
+from .logs import access_fields
 from .metrics import GatewayMetrics
 from .relay import SSE_DONE, StreamRelay
 from .replicas import ReplicaPool
@@ -386,18 +386,4 @@ class Proxy:
             )
             self.policy.on_complete(ex.features, ex.replica, outcome)
         if log.isEnabledFor(logging.INFO):
-            scores = ex.decision.scores  # cache_aware's predictions for its first choice
-            log.info(
-                "request",
-                extra={
-                    "predicted_ttft_ms": rounded(scores.get("ttft_ms")),
-                    "predicted_queue_ms": rounded(scores.get("queue_ms")),
-                    "request_id": ex.request_id, "route": ex.route, "status": ex.status,
-                    "replica": ex.replica, "policy": self.policy_name, "reason": ex.decision.reason,
-                    "predicted_cached_tokens": ex.decision.predicted_cached_tokens,
-                    "hold_ms": round(ex.decision.hold_s * 1000, 2), "cached_tokens": actual,
-                    "attempts": ex.attempts, "model": ex.features.model,
-                    "duration_ms": round(elapsed * 1000, 2),
-                    "ttft_ms": None if ex.ttft is None else round(ex.ttft * 1000, 2),
-                },
-            )
+            log.info("request", extra=access_fields(ex, self.policy_name, actual, elapsed))

@@ -46,7 +46,7 @@ Algorithm (filter -> score -> pick):
   the replica holding its prefix through a queue that a greedy pick would leave for a cold
   prefill elsewhere -- whose work then delays everyone there, and whose copy pushes another
   prefix out.  ``evicted(r)``: the blocks r would store (the prompt's hashes beyond its
-  match) past the room its capacity model has left (``PrefixIndex.room``), each computed again
+  match) past the room its capacity model has left (``PrefixIndex.rooms``), each computed again
   later by whoever needs it.  In the shared-prefix benchmark at a load that queues (3 slots,
   about 90% busy) the greedy pick recomputed a group's prompt on every replica and reached 81%
   of the ideal hit rate; priced, 97%, with lower TTFT p50 and p99.
@@ -132,8 +132,9 @@ from .cache_aware_scores import (
     CacheAwareParams,
     Pressure,
     Score,
-    engine_hit,
     pick,
+    prefill_waits,
+    ready_hits,
     reason_for,
     warm_s,
 )
@@ -193,12 +194,14 @@ class CacheAware(BasePolicy):
         limit = self._pressure.limit(loads, copy)
         # replicas still computing part of their match (a prefill in flight): blocks ready there
         cuts = self._warming.cuts(hashes, matched, now) if matched else _NONE
-        hits = self._hits(ids, matched, cuts, total, tph)
+        hits = ready_hits(ids, matched, cuts, total, tph, p.engine_block_tokens)
         warm = cuts and any(rid in cuts for rid in ids)
         top = max(hits)
         exempt = top if top and warm else -1  # a copy in flight: its source may exceed the bound
         holder = self._holder(ids, loads, hits, top)
-        waits = self._waits(ids, hashes, matched, cuts, total, tph, now) if warm else _NONE
+        waits = (prefill_waits(self._warming, ids, hashes, matched, cuts, total, tph,
+                               p.engine_block_tokens, now)
+                 if warm and p.wait_for_prefill else _NONE)  # fmt: skip
         pf = p.prefill_ms_per_token
         busy = p.busy_ms_per_request
         free = p.max_running - 1  # up to this many in flight, a newcomer does not queue
@@ -299,37 +302,6 @@ class CacheAware(BasePolicy):
         key = req.prefix_hashes[top_blocks - 1]
         return self._demand.needs_copy(key, now, holders, service_s, self._p.max_running, util)
 
-    def _hits(self, ids: list[str], matched: dict[str, int], cuts: dict[str, int], total: int,
-              tph: int) -> list[int]:  # fmt: skip
-        """Per replica: the cached tokens it holds now (blocks still being computed left out)."""
-        if not matched:
-            return [0] * len(ids)
-        block = self._p.engine_block_tokens
-        if block <= 1 and not cuts:
-            get = matched.get
-            return [min(get(rid, 0) * tph, total) for rid in ids]
-        ks = [cuts.get(rid, matched.get(rid, 0)) for rid in ids]
-        if block <= 1:
-            return [min(k * tph, total) for k in ks]
-        return [engine_hit(k * tph, total, block, tph // 4) if k else 0 for k in ks]
-
-    def _waits(self, ids: list[str], hashes: tuple[int, ...], matched: dict[str, int],
-               cuts: dict[str, int], total: int, tph: int,
-               now: float) -> dict[str, tuple[int, float]]:  # fmt: skip
-        """With ``wait_for_prefill``, per replica still computing part of its match: the tokens
-        cached once it is done, and the ms until then."""
-        if not self._p.wait_for_prefill:
-            return _NONE
-        block = self._p.engine_block_tokens
-        out = {}
-        for rid in ids:
-            if rid in cuts:
-                m = matched[rid]
-                until = self._warming.until(rid, hashes, m, now)
-                full = engine_hit(m * tph, total, block, tph // 4)
-                out[rid] = (full, (until - now) * 1000)
-        return out
-
     def _holder(self, ids: list[str], loads: list[int], hits: list[int], top: int) -> str | None:
         """The least loaded replica with the longest hit, when migration is on and it matters."""
         if not self._p.migrate or top < self._p.migrate_min_tokens:
@@ -370,7 +342,7 @@ class CacheAware(BasePolicy):
         p = self._p
         if hashes:
             top = int(scores.get("top_blocks", 0))
-            if top and self._p.replicate_util:
+            if top and p.replicate_util:
                 self._demand.record(hashes[top - 1], now)
             self._index.insert(replica, hashes, now)
             # Record the prefill it starts, if long enough for a follower to care.  Blocks
@@ -381,8 +353,8 @@ class CacheAware(BasePolicy):
             computing = (req.prompt_tokens or len(hashes) * tph) - first * tph
             if computing * p.prefill_ms_per_token >= p.warm_min_ms:
                 self._warming.start(replica, hashes, first, now + warm_s(ttft_ms))
-        decode_ms = (req.max_tokens or p.avg_output_tokens) * p.decode_ms_per_token
-        self._slots.start(replica, id(req), now + (ttft_ms + decode_ms * self._decode_ratio) / 1000)
+        decode_ms = self._decode_prior_ms(req) * self._decode_ratio
+        self._slots.start(replica, id(req), now + (ttft_ms + decode_ms) / 1000)
         if req.session_key is not None:
             self._sessions.bind(req.session_key, replica)
 

@@ -1,5 +1,6 @@
 """The pure pieces of ``cache_aware`` (see ``policies.cache_aware`` for the algorithm): its
-parameters, a replica's score, the pick among ties and the reason it gives."""
+parameters, what each replica holds ready (or will once a prefill in flight ends), a replica's
+score, the pick among ties and the reason it gives."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import NamedTuple
 
 from .scoring import LoadBound, hrw_weight, rendezvous_key, rendezvous_seed
 from .types import RequestFeatures
+from .warming import Warming
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,35 @@ def pick(ties: list[Score], bound_id: str | None, req: RequestFeatures,
         seed = rendezvous_seed(rendezvous_key(req))
         return max(ties, key=lambda s: hrw_weight(seed, s.id))
     return ties[0]
+
+
+def ready_hits(ids: list[str], matched: dict[str, int], cuts: dict[str, int], total: int,
+               tph: int, block: int) -> list[int]:  # fmt: skip
+    """Per replica: the cached tokens it holds now (``matched`` blocks, less those ``cuts`` says
+    are still being computed), counted as the engine counts them (``engine_hit``)."""
+    if not matched:
+        return [0] * len(ids)
+    if block <= 1 and not cuts:
+        get = matched.get
+        return [min(get(rid, 0) * tph, total) for rid in ids]
+    ks = [cuts.get(rid, matched.get(rid, 0)) for rid in ids]
+    if block <= 1:
+        return [min(k * tph, total) for k in ks]
+    return [engine_hit(k * tph, total, block, tph // 4) if k else 0 for k in ks]
+
+
+def prefill_waits(warming: Warming, ids: list[str], hashes: tuple[int, ...],
+                  matched: dict[str, int], cuts: dict[str, int], total: int, tph: int, block: int,
+                  now: float) -> dict[str, tuple[int, float]]:  # fmt: skip
+    """Per replica still computing part of its match: the tokens cached once it is done, and the
+    ms until then."""
+    out = {}
+    for rid in ids:
+        if rid in cuts:
+            m = matched[rid]
+            full = engine_hit(m * tph, total, block, tph // 4)
+            out[rid] = (full, (warming.until(rid, hashes, m, now) - now) * 1000)
+    return out
 
 
 def reason_for(chosen: Score, top: int, ties: list[Score], bound_id: str | None) -> str:

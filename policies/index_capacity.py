@@ -17,12 +17,9 @@ class CapacityModel:
         """The effective (learned) capacity of a replica, in blocks."""
         return self._effective.get(replica_id, self.default_capacity)
 
-    def room(self, replica_id: str) -> int:
-        """Blocks the replica can still record before the capacity model evicts (< 0: never)."""
-        return self._effective.get(replica_id, self.default_capacity) - self._blocks.get(replica_id, 0)
-
     def rooms(self, replica_ids: Sequence[str]) -> list[int]:
-        """``room`` of each replica, in order."""
+        """Per replica, in order: the blocks it can still record before the capacity model
+        evicts (< 0: never)."""
         eff, blocks, default = self._effective, self._blocks, self.default_capacity
         return [eff.get(r, default) - blocks.get(r, 0) for r in replica_ids]
 

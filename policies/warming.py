@@ -11,14 +11,13 @@ Algorithm (pure, per policy instance, not shared between gateways):
   ``hashes`` until ``ready_at``.  Stored as (ready_at, first, hashes[first]): by the chain property
   an equal hash at position ``first`` means the same prefix.  Each replica keeps its ``per_replica``
   most recent entries (a replica with more prefills in flight than that is saturated anyway).
-* ``ready(replica, hashes, matched, now)``: of the ``matched`` leading blocks the index says the
-  replica holds, how many exist now: the smallest ``first`` of a live entry whose block hash is
-  the request's at that position (``matched`` if none).  Asked only for replicas that match, at
-  one tuple compare per entry -- none when ``matched`` ends before every entry's ``first`` (a
-  shared system prompt matched on every replica, while each computes its own conversations):
-  each replica keeps the least ``first`` of its entries.
-* ``cuts(hashes, matched, now)``: ``ready`` for all the replicas that match in one call, keeping
-  only those where part of the match is still being computed (usually none).
+* ``cuts(hashes, matched, now)``: for each replica in ``matched`` (replica -> the leading blocks
+  the index says it holds), how many of those exist now: the smallest ``first`` of a live entry
+  whose block hash is the request's at that position; only the replicas where part of the
+  match is still being computed are returned (usually none).  One tuple compare per entry --
+  none when the match ends before every entry's ``first`` (a shared system prompt matched on
+  every replica, while each computes its own conversations): each replica keeps the least
+  ``first`` of its entries.
 * ``until(replica, hashes, matched, now)``: when all ``matched`` blocks will exist there (the
   latest ``ready_at`` of the live entries in them; ``now`` if none): how long a follower would
   wait to find the whole prefix instead of recomputing it.
@@ -49,16 +48,9 @@ class Warming:
         live.append((ready_at, first, hashes[first]))
         self._lo[replica] = min(first, self._lo.get(replica, first))
 
-    def ready(self, replica: str, hashes: Sequence[int], matched: int, now: float) -> int:
-        """Blocks of the ``matched`` leading ones that ``replica`` has finished computing."""
-        live = self._live.get(replica)
-        if not live or matched <= self._lo[replica]:
-            return matched
-        return _ready(live, hashes, matched, now)
-
     def cuts(self, hashes: Sequence[int], matched: dict[str, int], now: float) -> dict[str, int]:
-        """``ready`` for every replica in ``matched`` (replica -> matched blocks) at once, only
-        those with part of their match still being computed: replica -> blocks ready."""
+        """Replica -> blocks of its match that exist now, for the replicas in ``matched``
+        (replica -> matched blocks) with part of their match still being computed."""
         out: dict[str, int] = {}
         lo = self._lo
         for replica, live in self._live.items():

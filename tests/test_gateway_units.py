@@ -254,3 +254,22 @@ async def test_a_held_request_counts_in_flight_and_held_until_it_is_sent() -> No
     await asyncio.wait_for(task, 5)
     state = pool.snapshot().replicas[0]
     assert (state.in_flight, state.held) == (0, 0)
+
+
+def test_the_access_log_line_carries_the_prediction_beside_what_happened() -> None:
+    from gateway.logs import access_fields
+    from gateway.proxy import _Exchange
+    from policies.types import Decision
+
+    decision = Decision("r1", reason="prefill-wait", predicted_cached_tokens=640, hold_s=0.0123,
+                        scores={"ttft_ms": 41.234, "queue_ms": 2.0})  # fmt: skip
+    ex = _Exchange("/v1/chat/completions", "id1", b"id1", RequestFeatures("m"), decision, 0.0,
+                   replica="r1", status=200, attempts=1, ttft=0.05)  # fmt: skip
+    line = access_fields(ex, "cache_aware", 512, 0.25)
+    assert line["predicted_ttft_ms"] == 41.23 and line["predicted_queue_ms"] == 2.0
+    assert (line["hold_ms"], line["cached_tokens"], line["ttft_ms"]) == (12.3, 512, 50.0)
+    assert line["duration_ms"] == 250.0 and line["reason"] == "prefill-wait"
+    bare = access_fields(ex, "round_robin", None, 0.25) | {}
+    ex.decision = Decision("r1")  # a policy without predictions: the fields are unknown
+    assert access_fields(ex, "round_robin", None, 0.25)["predicted_ttft_ms"] is None
+    assert bare["cached_tokens"] is None
