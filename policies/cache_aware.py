@@ -89,7 +89,8 @@ Algorithm (filter -> score -> pick):
   any replica holds of the request, named by its last hash, is asked for at some rate; times a
   request's slot time (its decode prior) that is the slots it keeps busy.  When that exceeds
   ``replicate_util`` x its holders' slots (``max_running`` each), the holders are set aside for
-  this request (unless every replica holds it), the bound is the tight one, and neither
+  this request (unless every replica holds it, or every one that does not is over the bound),
+  the bound is the tight one, and neither
   recomputing nor evicting is priced: the copy is needed, and made now, while slots elsewhere
   are free, not once the holder's queue is longer than a cold prefill (in the hot-prefix
   benchmark at 3 slots that backlog lasted the run: TTFT p50 1.4x round robin's; now ~1.05x).
@@ -192,6 +193,10 @@ class CacheAware(BasePolicy):
         top_blocks = max(matched.values()) if matched else 0
         copy = top_blocks and self._needs_copy(req, ids, matched, top_blocks, now)
         limit = self._pressure.limit(loads, copy)
+        if copy and all(load > limit or matched.get(rid, 0) >= top_blocks
+                        for rid, load in zip(ids, loads, strict=True)):  # fmt: skip
+            copy = False  # no replica without it is within the bound: the holders stay eligible
+            limit = self._pressure.limit(loads)
         # replicas still computing part of their match (a prefill in flight): blocks ready there
         cuts = self._warming.cuts(hashes, matched, now) if matched else _NONE
         hits = ready_hits(ids, matched, cuts, total, tph, p.engine_block_tokens)

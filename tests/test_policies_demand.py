@@ -108,3 +108,16 @@ def test_a_follower_behind_a_long_queue_is_sent_at_once_and_finds_the_prefix(dep
     assert d2.replica == d1.replica and d2.predicted_cached_tokens == 50 * TPH
     # the leader's 1-second decode is ahead of it: the prefix is done long before its slot
     assert d2.hold_s == 0 and d2.scores["queue_ms"] > 600
+
+
+def test_a_prefix_that_needs_a_copy_stays_when_every_other_replica_is_over_the_bound(deps) -> None:
+    """The holders are set aside for a copy only if a replica without the prefix is within the
+    bound: the least loaded replica is never set aside (here the holder), so a decision exists."""
+    pol = build(deps, max_running=3, decode_ms_per_token=10, busy_ms_per_request=0)
+    deps.index.insert("r0", doc("hot", 100))
+    reqs = [_hot(i) for i in range(5)]
+    for i, req in enumerate(reqs[:4]):  # four arrivals make it hot
+        deps.clock.t = i * 0.05  # type: ignore[attr-defined]
+        assert route(pol, req, view(0, 0, 0, 0)).replica == "r0"
+    d = pol.select(reqs[4], view(1, 30, 30, 30))  # the others far over the bound
+    assert d.replica == "r0" and d.predicted_cached_tokens == 100 * TPH
