@@ -65,9 +65,12 @@ Algorithm (filter -> score -> pick):
 
   and when ``pull_ms(r) < (top - hit(r)) * prefill_ms_per_token`` r (if within the load bound)
   gets a second score, ``ttft_pull(r) = queue_ms(r) + (P - top) * prefill_ms_per_token +
-  pull_ms(r)``.  Pulls win only by a margin: if ``min ttft_pull + pull_margin_ms < min ttft`` (the
-  plain scores, over the bound excluded) the pick is made among the pull scores within
-  ``tie_ms`` of their minimum, else exactly as without migration.  Copying a prefix costs cache
+  pull_ms(r)``.  Pulls win against staying only by a margin: if ``min ttft_pull`` is below every
+  plain score (over the bound excluded) and either ``min ttft_pull + pull_margin_ms`` is below
+  those of the replicas holding ``top`` or a replica without it wins by more than ``tie_ms``
+  anyway (a move without the pull copies as much into the receiver's cache and computes the
+  rest: no margin against that), the pick is made among the pull scores within ``tie_ms`` of
+  their minimum, else exactly as without migration.  Copying a prefix costs cache
   space on the receiver, which the TTFT model does not price: without that margin every prefix
   spreads to every replica whenever a pull is within a tie of its holder (in the shared_prefix
   benchmark that cost 18 points of hit rate).  So when h is overloaded -- its queue exceeds about
@@ -126,6 +129,7 @@ Parameters: ``CacheAwareParams`` (``policies.cache_aware_scores``), with why eac
 from __future__ import annotations
 
 from functools import partial
+from math import inf
 from operator import itemgetter
 
 from .base import BasePolicy
@@ -258,10 +262,13 @@ class CacheAware(BasePolicy):
                 top_blocks: int) -> Decision:  # fmt: skip
         """Pick among the ties (see the header) and build the decision."""
         p = self._p
+        top = pulls[0].hit if pulls else 0  # what a pull brings a replica to: the longest hit
         best = min([s.ttft for s in scored if not s.over])
         tie = p.tie_ms
         best_pull = min([s.ttft for s in pulls]) if pulls else best
-        if best_pull + p.pull_margin_ms < best:  # a pull must win by a margin (header)
+        stay = min([s.ttft for s in scored if not s.over and s.hit >= top] or [inf]) if pulls else 0
+        if best_pull < best and (best_pull + p.pull_margin_ms < stay or best + tie < stay):
+            # a pull beats staying with the holders by a margin; a move there anyway, by anything
             ties = [s for s in pulls if s.ttft <= best_pull + tie]
         else:
             ties = [s for s in scored if not s.over and s.ttft <= best + tie]

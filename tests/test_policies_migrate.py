@@ -121,3 +121,17 @@ def test_a_pull_must_win_by_more_than_a_tie():
     assert d.replica == "r0" and d.pull_from is None and d.reason == "prefix-hit"
     d = pol.select(feat(doc("a", 101)), view(6, 0))  # 3 ahead: 252.4 ms > 72.4 + 100
     assert d.replica == "r1" and d.pull_from == "r0"
+
+
+def test_a_move_made_anyway_pulls_without_the_margin():
+    # Transfer nearly as dear as prefill: r1 pulling 2 + 6400 x 0.09 + 6.4 = 584.4 ms, cold
+    # 646.4 ms; r0: 8 ahead (640 ms) + 11 x 2 ms busy + 6.4 ms = 668.4 ms.  The pull is not 100 ms
+    # better than staying, but the cold move beats staying by more than a tie: the request
+    # leaves r0 either way, and with the pull it computes 1 block instead of 101.
+    pol, _ = build(migrate=True, load_slack=100, transfer_ms_per_token=0.09)
+    d = pol.select(feat(doc("a", 101)), view(11, 0))
+    assert d.replica == "r1" and d.pull_from == "r0" and d.reason == "migrate"
+    assert d.predicted_cached_tokens == 100 * TPH
+    off, _ = build(load_slack=100, transfer_ms_per_token=0.09)
+    d = off.select(feat(doc("a", 101)), view(11, 0))
+    assert d.replica == "r1" and d.reason == "load-fallback" and d.predicted_cached_tokens == 0
