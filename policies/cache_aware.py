@@ -65,19 +65,20 @@ Algorithm (filter -> score -> pick):
 
   and when ``pull_ms(r) < (top - hit(r)) * prefill_ms_per_token`` r (if within the load bound)
   gets a second score, ``ttft_pull(r) = queue_ms(r) + (P - top) * prefill_ms_per_token +
-  pull_ms(r)``.  Pulls win against staying only by a margin: if ``min ttft_pull`` is below every
-  plain score (over the bound excluded) and either ``min ttft_pull + pull_margin_ms`` is below
-  those of the replicas holding ``top`` or a replica without it wins by more than ``tie_ms``
-  anyway (a move without the pull copies as much into the receiver's cache and computes the
-  rest: no margin against that), the pick is made among the pull scores within ``tie_ms`` of
-  their minimum, else exactly as without migration.  Copying a prefix costs cache
-  space on the receiver, which the TTFT model does not price: without that margin every prefix
-  spreads to every replica whenever a pull is within a tie of its holder (in the shared_prefix
-  benchmark that cost 18 points of hit rate).  So when h is overloaded -- its queue exceeds about
-  ``pull_ms + pull_margin_ms``, long before it exceeds a full recompute -- a cheap-transfer replica
-  takes the spill at about h's hit; the decision then carries ``pull_from = h`` and
-  ``pull_tokens = top - hit(r)`` (the gateway passes them on as ``kv_transfer_params``) and
-  predicts ``top`` cached tokens.
+  pull_ms(r)`` (plus the ranking's penalty, as every score: the recompute of ``P - top`` and
+  the blocks the copy pushes out of r's cache, priced by ``evict_weight``).  If ``min ttft_pull``
+  is below every plain score (over the bound excluded) and either ``min ttft_pull + tie_ms +
+  pull_margin_ms`` is below the scores of the replicas holding ``top`` or a replica without it
+  wins by more than ``tie_ms`` anyway (a move without the pull copies as much into the
+  receiver's cache and computes the rest), the pick is made among the pull scores within
+  ``tie_ms`` of their minimum, else exactly as without migration.  ``pull_margin_ms`` (0 by
+  default) is what a copy must save beyond that price: before the eviction was priced, a margin
+  of 100 ms kept prefixes from spreading to every replica (18 points of hit rate in the
+  shared-prefix benchmark); priced, a margin of 0 loses about a point of hits there and cuts
+  TTFT p50 and p99 by 40-50% at a load that queues (3 slots, two rounds against 100 ms).  So when h's queue exceeds about ``pull_ms`` (long before
+  it exceeds a full recompute) a cheap-transfer replica takes the request at about h's hit; the
+  decision then carries ``pull_from = h`` and ``pull_tokens = top - hit(r)`` (the gateway passes
+  them on as ``kv_transfer_params``) and predicts ``top`` cached tokens.
 * Bounded load (Mirrokni et al.): replicas with ``load > load_factor * mean_load + load_slack`` are
   set aside unless all are (the least loaded never is).  This stops a hot prefix from herding.
   With ``spill_when_full`` (off by default) the bound is tighter: a replica where requests
@@ -267,7 +268,7 @@ class CacheAware(BasePolicy):
         tie = p.tie_ms
         best_pull = min([s.ttft for s in pulls]) if pulls else best
         stay = min([s.ttft for s in scored if not s.over and s.hit >= top] or [inf]) if pulls else 0
-        if best_pull < best and (best_pull + p.pull_margin_ms < stay or best + tie < stay):
+        if best_pull < best and (best_pull + tie + p.pull_margin_ms < stay or best + tie < stay):
             # a pull beats staying with the holders by a margin; a move there anyway, by anything
             ties = [s for s in pulls if s.ttft <= best_pull + tie]
         else:

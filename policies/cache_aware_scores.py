@@ -27,7 +27,8 @@ class CacheAwareParams:
     warm_min_ms 20, wait_for_prefill true, learn_capacity true, work_weight 0.3, evict_weight 1
     (weight 1 kept one more point of hits at 90% busy, at 1.4x the TTFT p99), replicate_util 1 (0
     turns copying by demand off; 0.8 changed nothing measurable); migrate false,
-    pull_margin_ms 100, transfer_ms_per_token 0.01
+    pull_margin_ms 0 (a copy's eviction is priced; see the migration
+    notes in ``policies.cache_aware``), transfer_ms_per_token 0.01
     (an 8B model's 128 KiB of KV per token at 12.5 GB/s), transfer_overhead_ms 2, migrate_min_tokens
     256, engine_block_tokens 1 (no rounding; set it to the engine's block size -- vLLM's --block-size:
     16 on GPUs by default, 128 on CPUs -- when its blocks are much longer than ``tokens_per_hash``:
@@ -48,7 +49,7 @@ class CacheAwareParams:
     load_factor: float = 1.25
     load_slack: float = 4.0
     tie_ms: float = 5.0
-    pull_margin_ms: float = 100.0
+    pull_margin_ms: float = 0.0
     learn_capacity: bool = True
     migrate: bool = False
     transfer_ms_per_token: float = 0.01

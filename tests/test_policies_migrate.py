@@ -113,13 +113,19 @@ def test_bad_migration_params_fail_at_build(bad):
         build(**bad)
 
 
-def test_a_pull_must_win_by_more_than_a_tie():
-    pol, _ = build(migrate=True)
+def test_a_pull_must_win_by_more_than_a_tie_and_the_margin():
     # r0: 1 request ahead (80 ms) + 4 x 2 ms busy + 6.4 ms prefill = 94.4 ms; r1 pulling: 72.4 ms.
-    # Faster, but within tie_ms: copying the prefix is not worth its cache space elsewhere.
+    pol, _ = build(migrate=True)  # no margin: 22 ms saved is more than a tie
     d = pol.select(feat(doc("a", 101)), view(4, 0))
+    assert d.replica == "r1" and d.pull_from == "r0" and d.reason == "migrate"
+    # r1 pulling at 2 + 6400 x 0.013 + 6.4 = 91.6 ms, 2.8 ms faster: a tie, r0 keeps it
+    tied, _ = build(migrate=True, transfer_ms_per_token=0.013)
+    d = tied.select(feat(doc("a", 101)), view(4, 0))
     assert d.replica == "r0" and d.pull_from is None and d.reason == "prefix-hit"
-    d = pol.select(feat(doc("a", 101)), view(6, 0))  # 3 ahead: 252.4 ms > 72.4 + 100
+    wide, _ = build(migrate=True, pull_margin_ms=100)  # a copy must save 100 ms more than a tie
+    d = wide.select(feat(doc("a", 101)), view(4, 0))
+    assert d.replica == "r0" and d.pull_from is None and d.reason == "prefix-hit"
+    d = wide.select(feat(doc("a", 101)), view(6, 0))  # 3 ahead: 252.4 ms > 72.4 + 5 + 100
     assert d.replica == "r1" and d.pull_from == "r0"
 
 
