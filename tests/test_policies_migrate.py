@@ -141,3 +141,31 @@ def test_a_move_made_anyway_pulls_without_the_margin():
     off, _ = build(load_slack=100, transfer_ms_per_token=0.09)
     d = off.select(feat(doc("a", 101)), view(11, 0))
     assert d.replica == "r1" and d.reason == "load-fallback" and d.predicted_cached_tokens == 0
+
+
+def test_a_pull_learns_what_it_really_took():
+    from policies.types import Outcome
+
+    pol, deps = build(migrate=True, load_slack=100, service_alpha=0.5)
+
+    def pull(name: str):  # a fresh document on r0 only, asked for while r0 is overloaded
+        deps.index.insert("r0", doc(name, 100))
+        req = feat(doc(name, 101))
+        d = pol.select(req, view(12, 0, 3))
+        assert d.pull_from == "r0" and d.replica == "r1"
+        return req, d
+
+    req, d = pull("a")
+    base = d.scores["pull_ms"]
+    pol.on_dispatch(req, d, view(12, 0, 3))
+    slow = (d.scores["ttft_ms"] + 30) / 1000  # the pull took 30 ms more than predicted
+    pol.on_complete(req, d.replica, Outcome(True, 6464, 6400, slow + 0.1, slow, 6400))
+    req, d = pull("b")
+    assert d.scores["pull_ms"] == pytest.approx(base + 15)  # half way (alpha 0.5)
+    # a request that did not pull teaches nothing; a wild outlier counts as 50 ms at most
+    pol.on_complete(feat(doc("z", 3)), "r2", Outcome(True, 192, 0, 9.0, 9.0, 0))
+    pol.on_dispatch(req, d, view(12, 0, 3))
+    late = (d.scores["ttft_ms"] + 5000) / 1000
+    pol.on_complete(req, d.replica, Outcome(True, 6464, 6400, late, late, 6400))
+    _, d = pull("c")
+    assert d.scores["pull_ms"] == pytest.approx(base + 15 + 0.5 * (50 - 15))
