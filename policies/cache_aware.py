@@ -79,7 +79,8 @@ Algorithm (filter -> score -> pick):
   it exceeds a full recompute) a cheap-transfer replica takes the request at about h's hit; the
   decision then carries ``pull_from = h`` and ``pull_tokens = top - hit(r)`` (the gateway passes
   them on as ``kv_transfer_params``) and predicts ``top`` cached tokens.  What pulls really take beyond
-  their predicted TTFT (the receiver asking the holder first, on a busy link) is learned: an
+  their predicted TTFT (the receiver asking the holder first, on a busy link) is learned
+  (``policies.pulls``): an
   EWMA (``service_alpha``) of each pull's TTFT over its prediction, clipped to +-50 ms (a
   mispredicted queue is not the pull's cost) and never below 0, is added to
   ``transfer_overhead_ms`` (in the multi-turn benchmark at 3 slots pulls took a median 8 ms more
@@ -151,6 +152,7 @@ from .cache_aware_scores import (
 )
 from .demand import PrefixDemand
 from .deps import resolve_deps
+from .pulls import PullCost
 from .slots import SlotTimeline
 from .types import ClusterView, Decision, Outcome, RequestFeatures
 from .warming import Warming
@@ -158,8 +160,6 @@ from .warming import Warming
 _NONE: dict = {}  # read only: no match, no prefill in flight, no wait
 _score = partial(tuple.__new__, Score)  # Score(...) without its Python-level __new__ (3x faster)
 _BY_BOUND_THEN_TTFT = itemgetter(0, 1)  # Score.over, Score.ttft
-_MAX_PULLING = 4096  # pulls in flight tracked for learning their cost (more are not learned from)
-_PULL_CLIP_MS = 50.0
 
 
 class CacheAware(BasePolicy):
@@ -178,8 +178,7 @@ class CacheAware(BasePolicy):
         self._warming = Warming()
         self._demand = PrefixDemand()
         self._slots = SlotTimeline()
-        self._pull_extra_ms = 0.0  # EWMA: what a pull took beyond its predicted TTFT
-        self._pulling: dict[int, float] = {}  # id(request) -> predicted TTFT, while a pull runs
+        self._pulls = PullCost(params)
 
     def queue_ms(self, load: int, waiting: int = 0, replica: str | None = None,
                  now: float = 0.0) -> float:  # fmt: skip
@@ -217,7 +216,7 @@ class CacheAware(BasePolicy):
         warm = cuts and any(rid in cuts for rid in ids)
         top = max(hits)
         exempt = top if top and warm else -1  # a copy in flight: its source may exceed the bound
-        holder = self._holder(ids, loads, hits, top)
+        holder = self._pulls.holder(ids, loads, hits, top)
         waits = (prefill_waits(self._warming, ids, hashes, matched, cuts, total, tph,
                                p.engine_block_tokens, now)
                  if warm and p.wait_for_prefill else _NONE)  # fmt: skip
@@ -259,7 +258,7 @@ class CacheAware(BasePolicy):
                     continue
             scored.append(_score((over, ttft + pen, rid, hit, load, 0, 0.0, rid in cuts, 0.0, pen)))
             if holder is not None and load <= limit:
-                pull, pull_ms = self._pull(top - hit)
+                pull, pull_ms = self._pulls.price(top - hit)
                 if pull:
                     have = hit + pull
                     pen = (total - have) * work + spill
@@ -324,21 +323,6 @@ class CacheAware(BasePolicy):
         key = req.prefix_hashes[top_blocks - 1]
         return self._demand.needs_copy(key, now, holders, service_s, self._p.max_running, util)
 
-    def _holder(self, ids: list[str], loads: list[int], hits: list[int], top: int) -> str | None:
-        """The least loaded replica with the longest hit, when migration is on and it matters."""
-        if not self._p.migrate or top < self._p.migrate_min_tokens:
-            return None
-        i = min((i for i, h in enumerate(hits) if h == top), key=loads.__getitem__)
-        return ids[i]
-
-    def _pull(self, missing: int) -> tuple[int, float]:
-        """(tokens to pull, transfer ms) for a replica ``missing`` tokens short of the holder."""
-        p = self._p
-        if missing < p.migrate_min_tokens:
-            return 0, 0.0
-        ms = p.transfer_overhead_ms + self._pull_extra_ms + missing * p.transfer_ms_per_token
-        return (missing, ms) if ms < missing * p.prefill_ms_per_token else (0, 0.0)
-
     def _decode_prior_ms(self, req: RequestFeatures) -> float:
         """Its time from first token to end at ``decode_ms_per_token`` (``max_tokens`` tokens)."""
         return (req.max_tokens or self._p.avg_output_tokens) * self._p.decode_ms_per_token
@@ -354,17 +338,6 @@ class CacheAware(BasePolicy):
             predicted = self._decode_prior_ms(req)
             if predicted > 0:
                 self._decode_ratio += alpha * (ms / predicted - self._decode_ratio)
-
-    def _learn_pull(self, predicted_ms: float | None, outcome: Outcome) -> None:
-        """EWMA (``service_alpha``) of what a pull's TTFT took beyond its prediction (the
-        receiver's lookup at the holder, its wait for the blocks), clipped to +-``_PULL_CLIP_MS``
-        (a queue mispredicted is not the pull's cost) and never below 0; ``_pull`` adds it to
-        ``transfer_overhead_ms``."""
-        if predicted_ms is None or not outcome.ok or outcome.ttft_s is None:
-            return
-        extra = min(max(outcome.ttft_s * 1000 - predicted_ms, -_PULL_CLIP_MS), _PULL_CLIP_MS)
-        learned = self._pull_extra_ms + self._p.service_alpha * (extra - self._pull_extra_ms)
-        self._pull_extra_ms = max(0.0, learned)
 
     def on_dispatch(self, req: RequestFeatures, decision: Decision, view: ClusterView) -> None:
         now = self._clock()
@@ -388,8 +361,8 @@ class CacheAware(BasePolicy):
                 self._warming.start(replica, hashes, first, now + warm_s(ttft_ms))
         decode_ms = self._decode_prior_ms(req) * self._decode_ratio
         self._slots.start(replica, id(req), now + (ttft_ms + decode_ms) / 1000)
-        if decision.pull_tokens and len(self._pulling) < _MAX_PULLING:
-            self._pulling[id(req)] = ttft_ms
+        if decision.pull_tokens:
+            self._pulls.started(id(req), ttft_ms)
         if req.session_key is not None:
             self._sessions.bind(req.session_key, replica)
 
@@ -408,8 +381,7 @@ class CacheAware(BasePolicy):
 
     def on_complete(self, req: RequestFeatures, replica_id: str, outcome: Outcome) -> None:
         self._slots.end(id(req))
-        if self._pulling:
-            self._learn_pull(self._pulling.pop(id(req), None), outcome)
+        self._pulls.ended(id(req), outcome)
         if req.prefix_hashes:  # done or failed: no follower should wait for it any more
             self._warming.finish(replica_id, req.prefix_hashes)
         self._learn_service(req, outcome)
