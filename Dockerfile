@@ -8,11 +8,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/kvgate
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY policies ./policies
 COPY gateway ./gateway
 COPY worker_agent ./worker_agent
-RUN pip install . \
+# A C compiler for the install only: setup.py compiles the request-path policy modules with mypyc
+# (without one they install as plain Python, at about twice the routing cost).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && pip install . \
+    && apt-get purge -y --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvgate
 
 USER kvgate

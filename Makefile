@@ -16,13 +16,19 @@ VLLM_VENV ?= .venv-vllm
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.base-installed: pyproject.toml | $(BIN)/python
+$(VENV)/.base-installed: pyproject.toml setup.py | $(BIN)/python
 	$(PIP) install -e .
-	touch $@
+	touch $@ $(VENV)/.compiled
 
-$(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
+$(VENV)/.dev-installed: pyproject.toml setup.py | $(BIN)/python
 	$(PIP) install -e '.[dev,agent]'
-	touch $@ $(VENV)/.base-installed
+	touch $@ $(VENV)/.base-installed $(VENV)/.compiled
+
+# The request-path policy modules are compiled with mypyc in place (setup.py, policies/native.py);
+# after an edit they are rebuilt (about 25 s) -- until then `import policies` runs the source.
+$(VENV)/.compiled: policies/*.py | $(VENV)/.base-installed
+	$(PIP) install --no-deps -e .
+	touch $@
 
 # Debian packages the tests use, as program:package. Those whose program is missing are installed
 # in one apt-get call; when all are there this is a few `command -v` checks and nothing else.
@@ -52,10 +58,10 @@ $(VLLM_VENV)/.installed: tests/vllm-requirements.txt
 
 vllm-venv: $(VLLM_VENV)/.installed
 
-demo: $(VENV)/.base-installed
+demo: $(VENV)/.base-installed $(VENV)/.compiled
 	$(BIN)/kvgate demo
 
-test: $(VENV)/.dev-installed system-packages $(VLLM_VENV)/.installed
+test: $(VENV)/.dev-installed $(VENV)/.compiled system-packages $(VLLM_VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
@@ -63,4 +69,4 @@ lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info build *.so policies/*.so

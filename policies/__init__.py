@@ -1,5 +1,8 @@
 """Routing policies: pure code, no I/O.  See :mod:`policies.base` for the contract."""
 
+from . import native  # noqa: F401  first: it picks compiled or source modules (see policies.native)
+
+# isort: split
 from .base import BasePolicy, Policy, rendezvous_order
 from .cache_aware import CacheAware, CacheAwareParams
 from .deps import PolicyDeps

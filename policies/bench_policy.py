@@ -32,7 +32,7 @@ import time
 import tracemalloc
 from collections import deque
 
-from . import PolicyDeps, PrefixIndex, default_registry
+from . import PolicyDeps, PrefixIndex, default_registry, native
 from .base import rendezvous_order
 from .types import ClusterView, Outcome, ReplicaState, RequestFeatures
 
@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         f"per request: select + on_dispatch + on_first_token + on_complete, {args.replicas} "
         f"replicas, {args.hashes} hashes ({args.hashes * 64} tokens), {args.sessions} warm "
         f"conversations, {args.in_flight or 8 * args.replicas} in flight, microseconds, median of "
-        f"{max(1, args.rounds)} run(s)"
+        f"{max(1, args.rounds)} run(s); policy modules "
+        f"{'compiled (mypyc)' if native.compiled() else 'from source'}"
     )
     print(
         f"{'policy':<12} {'warm mean':>10} {'p50':>8} {'p99':>8} {'select':>7}   {'cold mean':>10} "

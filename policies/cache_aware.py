@@ -168,6 +168,7 @@ class CacheAware(BasePolicy):
     def __init__(self, params: CacheAwareParams, deps: object = None) -> None:
         d = resolve_deps(deps)
         self._index = d.index
+        assert d.sessions is not None  # resolve_deps makes one
         self._sessions = d.sessions
         self._clock = d.clock
         self._p = params
@@ -204,7 +205,7 @@ class CacheAware(BasePolicy):
         ids = [r.id for r in replicas]
         loads = [max(r.in_flight, r.running + r.waiting) for r in replicas]  # ReplicaState.load
         top_blocks = max(matched.values()) if matched else 0
-        copy = top_blocks and self._needs_copy(req, ids, matched, top_blocks, now)
+        copy = bool(top_blocks) and self._needs_copy(req, ids, matched, top_blocks, now)
         limit = self._pressure.limit(loads, copy)
         if copy and all(load > limit or matched.get(rid, 0) >= top_blocks
                         for rid, load in zip(ids, loads, strict=True)):  # fmt: skip

@@ -2,17 +2,49 @@
 model", "Learned capacity", "Bounded memory"): configured and learned capacity per replica, and
 the evictions that keep the recorded blocks within them.
 
-A mixin: it works on the index's own state (``_lru``, ``_blocks``, ``_configured``,
-``_effective``, ``_where``, the learning parameters) and helpers (``_add_replica``,
-``_shrink_holding``), which ``PrefixIndex.__init__`` sets up.
+The base of the index's classes (``CapacityModel`` <- ``KvEvents`` <- ``PrefixIndex``, one line
+of single inheritance, as mypyc compiles it): it declares the index's state, which
+``PrefixIndex.__init__`` sets up, and the helpers it needs from ``PrefixIndex`` (``_add_replica``,
+``_walk``, ``_shrink_holding``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .index_parts import Node, Recency
+
 
 class CapacityModel:
+    default_capacity: int
+    max_total_blocks: int
+    min_capacity: int
+    miss_ratio: float
+    shrink: float
+    grow: float
+    settle_s: float
+    _where: dict[int, Node]  # first hash of each node (every hash once by_hash)
+    _by_hash: bool
+    _stored: int  # distinct blocks stored: the sum of the segments' lengths
+    _lru: dict[str, Recency]
+    _tick: int
+    _now: float
+    _blocks: dict[str, int]
+    _configured: dict[str, int]
+    _effective: dict[str, int]
+    _set: set[str]  # replicas whose capacity was configured (set_capacity)
+    _nodes: int
+    _orphan_events: int
+
+    def _add_replica(self, replica_id: str) -> Recency:
+        raise NotImplementedError  # PrefixIndex's
+
+    def _walk(self, hashes: Sequence[int]) -> list[tuple[Node, int]]:
+        raise NotImplementedError  # PrefixIndex's
+
+    def _shrink_holding(self, replica_id: str, node: Node, keep: int) -> int:
+        raise NotImplementedError  # PrefixIndex's
+
     def capacity(self, replica_id: str) -> int:
         """The effective (learned) capacity of a replica, in blocks."""
         return self._effective.get(replica_id, self.default_capacity)
@@ -90,7 +122,9 @@ class CapacityModel:
             return
         lru = self._lru[replica_id]
         while excess > 0:
-            node = lru.oldest()[4]  # type: ignore[index]
+            entry = lru.oldest()
+            assert entry is not None  # blocks are recorded: some holding is
+            node = entry[4]
             h = node.held[replica_id]
             excess -= self._shrink_holding(replica_id, node, max(0, h - excess))
 

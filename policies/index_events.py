@@ -8,8 +8,8 @@ engine's events name blocks anywhere in a chain (the parent of a stored run, eac
 so the first such event makes the index map every stored hash to its node
 (``_hash_every_block``), once: from then on inserts, splits and trims keep that map whole.
 
-A mixin: it works on the index's own state (``_where``, ``_by_hash``, ``_lru``, ``_blocks``,
-``_stored``, ``_nodes``) and helpers (``insert``, ``drop_replica``, ``_shrink_holding``).
+Between ``CapacityModel`` (the state it works on) and ``PrefixIndex`` (``insert``,
+``drop_replica`` and ``_shrink_holding``, declared here) in the index's line of classes.
 """
 
 from __future__ import annotations
@@ -18,10 +18,17 @@ from collections.abc import Iterable, Sequence
 from itertools import chain as _chain
 from itertools import repeat
 
+from .index_capacity import CapacityModel
 from .index_parts import Node
 
 
-class KvEvents:
+class KvEvents(CapacityModel):
+    def insert(self, replica_id: str, hashes: Sequence[int], now: float | None = None) -> int:
+        raise NotImplementedError  # PrefixIndex's
+
+    def drop_replica(self, replica_id: str) -> int:
+        raise NotImplementedError  # PrefixIndex's
+
     def apply_events(
         self,
         replica_id: str,

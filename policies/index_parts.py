@@ -21,7 +21,7 @@ class Node:
     __slots__ = ("seg", "start", "parent_hash", "held", "forked")
 
     def __init__(self, start: int, parent_hash: int | None) -> None:
-        self.seg: tuple[int, ...] = ()
+        self.seg: list[int] = []
         self.start = start
         self.parent_hash = parent_hash  # the hash just before seg[0]; None at the root
         self.held: dict[str, int] = {}  # replica -> blocks held (a prefix of seg)
@@ -74,7 +74,7 @@ class Recency:
         return None
 
 
-def common_prefix(seg: tuple[int, ...], hs: tuple[int, ...], i: int, limit: int) -> int:
+def common_prefix(seg: list[int], hs: tuple[int, ...], i: int, limit: int) -> int:
     """Length of the common prefix of ``seg`` and ``hs[i:]``, at most ``limit`` (>= 1).
 
     ``seg[0] == hs[i]`` is known.  Exact under the chain property (if position k is equal, every

@@ -62,18 +62,17 @@ its event loop.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 
-from .index_capacity import CapacityModel
 from .index_events import KvEvents
 from .index_parts import Node, Recency, common_prefix
 
-_consume = deque(maxlen=0).extend
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
 
 
-class PrefixIndex(CapacityModel, KvEvents):
+class PrefixIndex(KvEvents):
     """Which replica holds which prefix blocks, with a per-replica LRU capacity model."""
 
     def __init__(
@@ -98,16 +97,16 @@ class PrefixIndex(CapacityModel, KvEvents):
         self.shrink = shrink
         self.grow = grow
         self.settle_s = settle_s
-        self._where: dict[int, Node] = {}  # first hash of each node (every hash once by_hash)
+        self._where = {}  # first hash of each node (every hash once by_hash)
         self._by_hash = by_hash
         self._stored = 0  # distinct blocks stored: the sum of the segments' lengths
-        self._lru: dict[str, Recency] = {}
+        self._lru = {}
         self._tick = 0
         self._now = 0.0
-        self._blocks: dict[str, int] = {}
-        self._configured: dict[str, int] = {}
-        self._effective: dict[str, int] = {}
-        self._set: set[str] = set()  # replicas whose capacity was configured (set_capacity)
+        self._blocks = {}
+        self._configured = {}
+        self._effective = {}
+        self._set = set()  # replicas whose capacity was configured (set_capacity)
         self._nodes = 0
         self._orphan_events = 0
 

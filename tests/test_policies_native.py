@@ -1,0 +1,89 @@
+"""The compiled policy modules (policies/native.py, setup.py): same decisions as the source, and
+the source whenever the build is stale or ``KVGATE_PURE=1``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import policies
+from policies import native
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "policies"
+BUILT = all(native._extension(PKG, name) for name in native.COMPILED)
+needs_build = pytest.mark.skipif(not BUILT, reason="policies not compiled (no mypy or C compiler)")
+
+
+def _run(code: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> str:
+    proc = subprocess.run([sys.executable, *code], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, timeout=120, check=True)  # fmt: skip
+    return proc.stdout + proc.stderr
+
+
+def test_stale_names_the_extensions_older_than_their_source(tmp_path: Path) -> None:
+    suffix = ".cpython-311-x86_64-linux-gnu.so" if not BUILT else native._extension(
+        PKG, "slots").name.removeprefix("slots")  # fmt: skip
+    for name in ("slots", "warming"):
+        (tmp_path / f"{name}.py").write_text("")
+        (tmp_path / f"{name}{suffix}").write_text("")
+    os.utime(tmp_path / "slots.py", (1000, 1000))
+    os.utime(tmp_path / f"slots{suffix}", (2000, 2000))
+    os.utime(tmp_path / "warming.py", (3000, 3000))
+    os.utime(tmp_path / f"warming{suffix}", (2000, 2000))
+    if native._extension(tmp_path, "slots") is None:
+        pytest.skip("this interpreter names extensions otherwise")
+    assert native.stale(tmp_path) == ["warming"]
+
+
+def test_pure_runs_the_source() -> None:
+    out = _run(["-c", "import policies; print(policies.native.compiled())"], {"KVGATE_PURE": "1"})
+    assert out.strip() == "False"
+
+
+@needs_build
+def test_the_build_is_in_use() -> None:
+    assert policies.native.compiled()  # the test run imported the compiled modules
+
+
+@needs_build
+@pytest.mark.parametrize("seed", [1, 2])
+def test_compiled_and_source_make_the_same_decisions(seed: int) -> None:
+    script = str(ROOT / "tests" / "replay_decisions.py")
+    compiled = json.loads(_run([script, str(seed)], {"KVGATE_PURE": "0"}))
+    source = json.loads(_run([script, str(seed)], {"KVGATE_PURE": "1"}))
+    assert compiled["compiled"] and not source["compiled"]
+    assert len(compiled["decisions"][0]) > 300
+    assert compiled["decisions"] == source["decisions"]
+
+
+@needs_build
+def test_a_build_older_than_its_source_runs_the_source(tmp_path: Path) -> None:
+    shutil.copytree(PKG, tmp_path / "policies", ignore=shutil.ignore_patterns("__pycache__"))
+    for lib in ROOT.glob("*__mypyc*"):
+        shutil.copy2(lib, tmp_path / lib.name)
+    probe = ["-W", "always", "-c", "import policies; print(policies.native.compiled())"]
+    env = {"PYTHONPATH": str(tmp_path)}
+    assert _run(probe, env, tmp_path).strip() == "True"  # the copy is a working build
+    built = native._extension(tmp_path / "policies", "warming").stat().st_mtime
+    os.utime(tmp_path / "policies" / "warming.py", (built + 60,) * 2)  # edited after the build
+    out = _run(probe, env, tmp_path)
+    assert out.splitlines()[0] == "False"
+    assert "older than their source (warming)" in out
+
+
+@needs_build
+def test_a_build_whose_library_does_not_load_runs_the_source(tmp_path: Path) -> None:
+    shutil.copytree(PKG, tmp_path / "policies", ignore=shutil.ignore_patterns("__pycache__"))
+    for lib in ROOT.glob("*__mypyc*"):
+        (tmp_path / lib.name).write_bytes(b"")  # found first, and no shared object
+    probe = ["-W", "always", "-c", "import policies; print(policies.native.compiled())"]
+    out = _run(probe, {"PYTHONPATH": str(tmp_path)}, tmp_path)
+    assert out.splitlines()[0] == "False"
+    assert "unusable" in out
