@@ -21,9 +21,11 @@ def _compiled_modules() -> list:
     try:
         from mypyc.build import mypycify
 
-        # --follow-imports=silent: the modules they import stay Python and are not checked
+        # The modules they import stay Python and are not checked; installed packages (xxhash)
+        # are not looked for: pip builds in an environment without them, and every build alike.
+        flags = ["--follow-imports=silent", "--no-site-packages", "--ignore-missing-imports"]
         paths = [f"policies/{name}.py" for name in native.COMPILED]
-        exts = mypycify(["--follow-imports=silent", *paths], opt_level="3", debug_level="0")
+        exts = mypycify([*flags, *paths], opt_level="3", debug_level="0")
     except (ImportError, SystemExit, Exception) as exc:  # mypy missing, or it rejected the types
         print(f"kvgate: policies not compiled ({exc!r}); installing them as plain Python")
         for name in native.COMPILED:  # an earlier build's extensions would shadow the source
