@@ -31,7 +31,10 @@ def _compiled_modules() -> list:
         for name in native.COMPILED:  # an earlier build's extensions would shadow the source
             for old in (here / "policies").glob(f"{name}.*.so"):
                 old.unlink()
+        (here / "policies" / native.RECORD).unlink(missing_ok=True)
         return []
+    # What they are built from: policies/native.py runs the source once it differs.
+    (here / "policies" / native.RECORD).write_text(native.record_text(here / "policies"))
     names = {ext.name for ext in exts}
     for old in here.glob("*__mypyc*.so"):  # an earlier build's library (another set of modules)
         if old.name.split(".")[0] not in names:

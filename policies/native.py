@@ -4,18 +4,23 @@ The same source runs either way: mypyc compiles these typed modules to C extensi
 same decisions at about half the cost (``kvgate bench policy`` prints which ran).  A build
 without a C compiler or mypy installs them as plain Python.
 
-An extension module is imported before its ``.py`` beside it, so a compiled module older than its
-source (edited since the build, or after a ``git pull``) would run the old code.  ``use_source``
-(called first thing by ``policies/__init__``) checks: when any compiled module is older than its
-source, or ``KVGATE_PURE=1``, every module of the group is imported from source (they call each
-other natively: all or none), with a warning for the stale case.  ``make`` rebuilds them when
-their sources change.
+An extension module is imported before its ``.py`` beside it, so a module compiled from another
+source (edited since the build, or after a ``git pull``) would run the old code.  The build
+records a digest of each source it compiled (``_native_build.py``, written by ``setup.py``), and
+``use_source`` (run when ``policies/__init__`` imports this module, before anything else) checks
+it: when any compiled module's source differs from the one recorded, the group's library does
+not load, or ``KVGATE_PURE=1``, every module of the group is imported from source (they call
+each other natively: all or none), with a warning unless asked for.  ``make`` rebuilds them when
+their sources change.  (Digests, not file times: an installed wheel writes its files in any
+order.)
 
 Standard library only: ``setup.py`` loads this file on its own, before any dependency is there.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import importlib.machinery
 import importlib.util
 import os
@@ -24,6 +29,7 @@ import warnings
 from pathlib import Path
 
 PACKAGE = "policies"
+RECORD = "_native_build.py"  # written by setup.py with the compiled modules
 COMPILED = (
     "cache_aware",
     "cache_aware_scores",
@@ -48,14 +54,32 @@ def _extension(pkg_dir: Path, name: str) -> Path | None:
     return None
 
 
+def digests(pkg_dir: Path) -> dict[str, str]:
+    """Each compiled module's source, by a digest of its bytes."""
+    return {name: hashlib.sha256((pkg_dir / f"{name}.py").read_bytes()).hexdigest()[:16]
+            for name in COMPILED}  # fmt: skip
+
+
+def record_text(pkg_dir: Path) -> str:
+    """The build record for the sources as they are (setup.py writes it beside them)."""
+    return f"# Written by setup.py: the sources the compiled modules were built from.\nSOURCES = {digests(pkg_dir)!r}\n"
+
+
+def recorded(pkg_dir: Path) -> dict[str, str]:
+    """The digests the build recorded (none without a record)."""
+    try:
+        text = (pkg_dir / RECORD).read_text()
+        return ast.literal_eval(text.split("SOURCES = ", 1)[1])
+    except (OSError, IndexError, ValueError, SyntaxError):
+        return {}
+
+
 def stale(pkg_dir: Path) -> list[str]:
-    """Compiled modules older than their source."""
-    out = []
-    for name in COMPILED:
-        ext = _extension(pkg_dir, name)
-        if ext is not None and ext.stat().st_mtime < (pkg_dir / f"{name}.py").stat().st_mtime:
-            out.append(name)
-    return out
+    """Compiled modules whose source is not the one they were built from."""
+    built = recorded(pkg_dir)
+    now = digests(pkg_dir)
+    return [name for name in COMPILED
+            if _extension(pkg_dir, name) is not None and built.get(name) != now[name]]  # fmt: skip
 
 
 class _SourceFinder:
@@ -78,7 +102,7 @@ def use_source(pkg_dir: Path) -> None:
     old = stale(pkg_dir)
     if old:
         warnings.warn(
-            f"compiled policy modules older than their source ({', '.join(old)}): running the "
+            f"compiled policy modules built from another source ({', '.join(old)}): running the "
             "source; `make` (or `pip install -e .`) rebuilds them",
             stacklevel=2,
         )
@@ -100,4 +124,5 @@ def compiled() -> bool:
     return mod is not None and not (getattr(mod, "__file__", "") or "").endswith(".py")
 
 
-use_source(Path(__file__).parent)
+if __name__ == f"{PACKAGE}.native":  # imported by the package (setup.py loads it under another name)
+    use_source(Path(__file__).parent)
