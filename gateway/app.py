@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from policies import PolicyDeps, default_registry
+from policies import PolicyDeps, default_registry, native
 
 from .admin import AdminApi
 from .capacity import sync_capacities
@@ -150,6 +150,7 @@ class GatewayApp:
         log.info("gateway ready", extra={
             "replicas": [r.id for r in pool], "policy": cfg.policy, "gateway_id": gateway_id,
             "store": store.backend, "state_caught_up": sync.caught_up,
+            "policies_compiled": native.compiled(),
         })
         try:
             yield
