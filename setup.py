@@ -18,6 +18,9 @@ def _compiled_modules() -> list:
     spec = importlib.util.spec_from_file_location("kvgate_native", here / "policies/native.py")
     native = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(native)
+    for name in native.COMPILED:  # an earlier build's: if this one fails, the source must run
+        for old in (here / "policies").glob(f"{name}.*.so"):
+            old.unlink()
     try:
         from mypyc.build import mypycify
 
@@ -28,9 +31,6 @@ def _compiled_modules() -> list:
         exts = mypycify([*flags, *paths], opt_level="3", debug_level="0")
     except (ImportError, SystemExit, Exception) as exc:  # mypy missing, or it rejected the types
         print(f"kvgate: policies not compiled ({exc!r}); installing them as plain Python")
-        for name in native.COMPILED:  # an earlier build's extensions would shadow the source
-            for old in (here / "policies").glob(f"{name}.*.so"):
-                old.unlink()
         (here / "policies" / native.RECORD).unlink(missing_ok=True)
         return []
     # What they are built from: policies/native.py runs the source once it differs.
