@@ -120,3 +120,13 @@ def test_migrate_target_prices_pulls_like_the_replicas():
     assert per_token == pytest.approx(131072 / 12.5e9 * 1000, rel=1e-3)  # 128 KiB at 12.5 GB/s
     plain = router_proc("kvgate/cache_aware", ["http://r0"], 1234, sim_args).argv
     assert "migrate=true" not in plain
+
+
+def test_a_peer_routers_metrics_port_is_never_its_serving_port(monkeypatch) -> None:
+    from gateway.bench import peers
+
+    picks = iter([7001, 7001, 7001, 7002])  # free_port may pick the serving port again
+    monkeypatch.setattr(peers, "free_port", lambda: next(picks))
+    argv = peers.vllm_router_proc(["http://127.0.0.1:9"], 7001, exe="/bin/true").argv
+    assert argv[argv.index("--port") + 1] == "7001"
+    assert argv[argv.index("--prometheus-port") + 1] == "7002"

@@ -91,13 +91,21 @@ def nginx_proc(upstreams: Sequence[str], port: int, workdir: str, *, exe: str | 
     return Proc("nginx", argv, f"http://127.0.0.1:{port}/health")
 
 
+def other_port(port: int) -> int:
+    """A free port that is not ``port`` (which nobody listens on yet: ``free_port`` may pick it
+    again, and a router given it twice dies on its second bind after passing its health check)."""
+    while (other := free_port()) == port:
+        pass
+    return other
+
+
 def sglang_router_proc(urls: Sequence[str], port: int, policy: str = "round_robin",
                        exe: str | None = None) -> Proc:
     exe = exe or find_peer("sglang-router")
     if exe is None:
         raise FileNotFoundError("sglang-router is not installed (pip install sglang-router)")
     argv = [exe, "launch", "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warn", "--prometheus-port", str(free_port())]
+            "--port", str(port), "--log-level", "warn", "--prometheus-port", str(other_port(port))]
     return Proc("sglang-router", argv, f"http://127.0.0.1:{port}/health")
 
 
@@ -107,7 +115,7 @@ def vllm_router_proc(urls: Sequence[str], port: int, policy: str = "round_robin"
     if exe is None:
         raise FileNotFoundError("vllm-router is not installed (pip install vllm-router)")
     argv = [exe, "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning", "--prometheus-port", str(free_port())]
+            "--port", str(port), "--log-level", "warning", "--prometheus-port", str(other_port(port))]
     return Proc("vllm-router", argv, f"http://127.0.0.1:{port}/health")
 
 
