@@ -5,19 +5,18 @@ the package installs as plain Python and runs the same source.
 """
 
 import importlib.util
-import os
 from pathlib import Path
 
 from setuptools import setup
 
 
 def _compiled_modules() -> list:
-    if os.environ.get("KVGATE_PURE", "") not in ("", "0"):
-        return []
     here = Path(__file__).parent
     spec = importlib.util.spec_from_file_location("kvgate_native", here / "policies/native.py")
     native = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(native)
+    if native.pure():
+        return []
     for name in native.COMPILED:  # an earlier build's: if this one fails, the source must run
         for old in (here / "policies").glob(f"{name}.*.so"):
             old.unlink()

@@ -78,13 +78,8 @@ Algorithm (filter -> score -> pick):
   TTFT p50 and p99 by 40-50% at a load that queues (3 slots, two rounds against 100 ms).  So when h's queue exceeds about ``pull_ms`` (long before
   it exceeds a full recompute) a cheap-transfer replica takes the request at about h's hit; the
   decision then carries ``pull_from = h`` and ``pull_tokens = top - hit(r)`` (the gateway passes
-  them on as ``kv_transfer_params``) and predicts ``top`` cached tokens.  What pulls really take beyond
-  their predicted TTFT (the receiver asking the holder first, on a busy link) is learned
-  (``policies.pulls``): an
-  EWMA (``service_alpha``) of each pull's TTFT over its prediction, clipped to +-50 ms (a
-  mispredicted queue is not the pull's cost) and never below 0, is added to
-  ``transfer_overhead_ms`` (in the multi-turn benchmark at 3 slots pulls took a median 8 ms more
-  than predicted, and a pull saving less than that raised the TTFT p50).
+  them on as ``kv_transfer_params``) and predicts ``top`` cached tokens.  What pulls really take
+  beyond their prediction is learned and added to ``transfer_overhead_ms`` (``policies.pulls``).
 * Bounded load (Mirrokni et al.): replicas with ``load > load_factor * mean_load + load_slack`` are
   set aside unless all are (the least loaded never is).  This stops a hot prefix from herding.
   With ``spill_when_full`` (off by default) the bound is tighter: a replica where requests

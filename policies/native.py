@@ -46,6 +46,12 @@ COMPILED = (
 )
 
 
+def pure() -> bool:
+    """Whether ``KVGATE_PURE`` asks for the source (the build skips compiling, the import the
+    compiled modules)."""
+    return os.environ.get("KVGATE_PURE", "") not in ("", "0")
+
+
 def _extension(pkg_dir: Path, name: str) -> Path | None:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = pkg_dir / f"{name}{suffix}"
@@ -106,7 +112,7 @@ def use_source(pkg_dir: Path) -> None:
             "source; `make` (or `pip install -e .`) rebuilds them",
             stacklevel=2,
         )
-    elif os.environ.get("KVGATE_PURE", "") in ("", "0"):
+    elif not pure():
         try:  # a leaf of the group: it loads their shared library
             importlib.import_module(f"{PACKAGE}.index_parts")
             return

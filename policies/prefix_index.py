@@ -97,16 +97,17 @@ class PrefixIndex(KvEvents):
         self.shrink = shrink
         self.grow = grow
         self.settle_s = settle_s
-        self._where = {}  # first hash of each node (every hash once by_hash)
+        # the index's state (its types and meaning: CapacityModel, which declares it)
+        self._where = {}
         self._by_hash = by_hash
-        self._stored = 0  # distinct blocks stored: the sum of the segments' lengths
+        self._stored = 0
         self._lru = {}
         self._tick = 0
         self._now = 0.0
         self._blocks = {}
         self._configured = {}
         self._effective = {}
-        self._set = set()  # replicas whose capacity was configured (set_capacity)
+        self._set = set()
         self._nodes = 0
         self._orphan_events = 0
 

@@ -50,7 +50,7 @@ def test_pure_runs_the_source() -> None:
     assert out.strip() == "False"
 
 
-@pytest.mark.skipif(not CAN_BUILD or os.environ.get("KVGATE_PURE", "") not in ("", "0"),
+@pytest.mark.skipif(not CAN_BUILD or native.pure(),
                     reason="no C compiler or Python headers, or KVGATE_PURE")  # fmt: skip
 def test_the_install_compiled_the_policies() -> None:
     assert BUILT, "not compiled: `pip install -v -e .` says why ('kvgate: policies not compiled')"
