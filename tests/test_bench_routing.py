@@ -130,3 +130,36 @@ def test_a_peer_routers_metrics_port_is_never_its_serving_port(monkeypatch) -> N
     argv = peers.vllm_router_proc(["http://127.0.0.1:9"], 7001, exe="/bin/true").argv
     assert argv[argv.index("--port") + 1] == "7001"
     assert argv[argv.index("--prometheus-port") + 1] == "7002"
+
+
+def test_routing_bench_starts_peer_routers_on_two_distinct_ports(monkeypatch) -> None:
+    from gateway.bench import peers, routing
+
+    monkeypatch.setattr(peers, "find_peer", lambda name: f"/opt/{name}")
+    picks = iter([7001, 7001, 7002, 7004])  # free_port may pick the serving port again
+    monkeypatch.setattr(peers, "free_port", lambda: next(picks))
+    proc = routing.router_proc("vllm-router/consistent_hash", ["http://127.0.0.1:9"], 7001, {})
+    argv = proc.argv
+    assert argv[0] == "/opt/vllm-router" and argv[argv.index("--policy") + 1] == "consistent_hash"
+    assert argv[argv.index("--port") + 1] == "7001"
+    assert argv[argv.index("--prometheus-port") + 1] == "7002"
+    assert proc.name == "vllm-router_consistent_hash"  # a log file of its own
+    sglang = routing.router_proc("sglang-router/cache_aware", ["http://127.0.0.1:9"], 7003, {}).argv
+    assert sglang[:2] == ["/opt/sglang-router", "launch"]
+
+
+def test_all_targets_without_the_peer_routers_warns_and_a_readme_table_refuses(monkeypatch, capsys) -> None:
+    from gateway.bench import routing
+
+    monkeypatch.setattr(routing, "find_peer", lambda name: None)
+    names = routing.target_names("all")
+    assert not [n for n in names if n in routing.PEERS]
+    assert "kvgate/cache_aware" in names and "oracle" in names
+    err = capsys.readouterr().err
+    assert "sglang-router, vllm-router" in err and "pip install -e '.[bench]'" in err
+    with pytest.raises(SystemExit, match="--readme compares against every peer"):
+        routing.target_names("all", need_peers=True)
+    with pytest.raises(SystemExit, match="unknown or unavailable"):
+        routing.target_names("sglang-router/cache_aware")
+    monkeypatch.setattr(routing, "find_peer", lambda name: f"/opt/{name}")
+    assert set(routing.PEERS) <= set(routing.target_names("all", need_peers=True))

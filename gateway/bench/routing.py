@@ -27,7 +27,8 @@ import xxhash
 
 from ..servers import free_port, free_port_block
 from .loadgen import Result, percentile, run_workload
-from .procs import Proc, find_tool
+from .peers import find_peer, sglang_router_proc, vllm_router_proc
+from .procs import Proc
 from .tables import markdown_table, replace_block
 from .workloads import WORKLOADS, BenchRequest, Workload, footprint
 
@@ -81,11 +82,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--readme", default=None, help="README to update between bench:routing markers")
 
 
-def target_names(requested: str) -> list[str]:
+def target_names(requested: str, *, need_peers: bool = False) -> list[str]:
+    """The targets to run.  ``all`` leaves out the peer routers that are not installed, with a
+    warning on stderr, or (``need_peers``: a table for the README) refuses to run without them."""
     names = [f"kvgate/{p}" for p in KVGATE_POLICIES] + [MIGRATE]
-    names += [n for n, (tool, _) in PEERS.items() if find_tool(tool)]
+    names += [n for n, (tool, _) in PEERS.items() if find_peer(tool)]
     names.append("oracle")
     if requested == "all":
+        missing = sorted({tool for tool, _ in PEERS.values() if not find_peer(tool)})
+        if missing:
+            msg = f"peer routers not installed: {', '.join(missing)} (pip install -e '.[bench]')"
+            if need_peers:
+                raise SystemExit(f"{msg}; --readme compares against every peer")
+            print(f"warning: {msg}; their targets are left out", file=sys.stderr)
         return names
     wanted = [n.strip() for n in requested.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in names]
@@ -116,14 +125,10 @@ def router_proc(name: str, urls: list[str], port: int, sim_args: dict) -> Proc |
                      "--policy-param", "transfer_overhead_ms=2"]
         return Proc(name.replace("/", "_"), argv, ready)
     tool, policy = PEERS[name]
-    exe = find_tool(tool)
-    if tool == "sglang-router":
-        argv = [exe, "launch", "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
-                "--port", str(port), "--log-level", "warn", "--prometheus-port", str(free_port())]
-    else:
-        argv = [exe, "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1",
-                "--port", str(port), "--log-level", "warning", "--prometheus-port", str(free_port())]
-    return Proc(name.replace("/", "_"), argv, ready)
+    make = sglang_router_proc if tool == "sglang-router" else vllm_router_proc
+    proc = make(urls, port, policy)
+    proc.name = name.replace("/", "_")  # its log file: one per target
+    return proc
 
 
 def oracle_route(urls: list[str]):
@@ -233,7 +238,7 @@ def _scaled(name: str, scale: float) -> Workload:
 
 
 def run(args: argparse.Namespace) -> int:
-    targets = target_names(args.targets)
+    targets = target_names(args.targets, need_peers=bool(args.readme))
     rows: list[Row] = []
     sim_args = dict(prefill_ms_per_token=args.prefill_ms_per_token, decode_ms_per_token=args.decode_ms_per_token,
                     max_running=args.max_running, kv_bandwidth_gbps=args.kv_bandwidth_gbps,
