@@ -1,7 +1,7 @@
 """Tiered KV block store: LRU placement over GPU -> CPU -> disk tiers, with KV events.
 
-``KVBlockStore`` executes the plans of ``placement.Placement`` (pure bookkeeping) against physical
-tiers (``tiers.MemoryTier`` / ``disktier.DiskTier``): demotion under pressure (GPU -> CPU -> disk ->
+``KVBlockStore`` executes the plans of ``placement.Placement`` (pure bookkeeping; carried out by
+``plans.PlanRunner``) against physical tiers (``tiers.MemoryTier`` / ``disktier.DiskTier``): demotion under pressure (GPU -> CPU -> disk ->
 dropped), promotion to the top tier on a hit, explicit moves.  Blocks are keyed by their chained
 block hash (``policies.hashing``), which already includes the model/LoRA salt.
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,13 +37,11 @@ import torch
 from .blockfmt import DTYPE_CODES, MAX_DIMS, Block, BlockHeader, checksum, header_for, payload_view
 from .disktier import DiskTier
 from .errors import AgentError
-from .events import BlockRemoved, BlockStored, Event, coalesce, net_effect
-from .placement import Placement, PlacementStats, Step, StepKind, TierCounters
+from .events import BlockRemoved, Event, coalesce, net_effect
+from .placement import Placement, PlacementStats, TierCounters
+from .plans import PlanRunner, Tier
 from .tiers import BlockMeta, Copier, MemoryTier, cuda_available
 
-log = logging.getLogger(__name__)
-
-Tier = MemoryTier | DiskTier
 EventSink = Callable[[list[Event]], None]
 
 
@@ -78,6 +75,7 @@ class KVBlockStore:
             [t.capacity for t in self.tiers], [t.overhead for t in self.tiers], scan=scan
         )
         self._meta: dict[int, BlockMeta] = {}
+        self._plans = PlanRunner(self.tiers, self.placement, self._meta)
         self._on_events = on_events
         self._lock = threading.RLock()
         self._pin_landing = any(getattr(t, "pinned", False) for t in self.tiers)
@@ -163,7 +161,7 @@ class KVBlockStore:
             if key not in self.placement:
                 return False
             events: list[Event] = []
-            self._execute(self.placement.plan_move(key, tier), {}, True, events)
+            self._plans.execute(self.placement.plan_move(key, tier), {}, True, events)
             self._emit(events)
             return key in self.placement
 
@@ -175,7 +173,7 @@ class KVBlockStore:
             try:
                 for key in self._read_ahead(keys, tier):
                     if key in p:
-                        self._execute(p.plan_move(key, tier), {}, True, events)
+                        self._plans.execute(p.plan_move(key, tier), {}, True, events)
             finally:
                 self._emit(events)
             return sum(p.tier_of(k) == tier for k in keys)
@@ -256,7 +254,7 @@ class KVBlockStore:
                 tensor = self.tiers[tier].load(key, host=True)
             except (OSError, AgentError) as exc:
                 events: list[Event] = []
-                self._lose(key, exc, events)
+                self._plans.lose(key, exc, events)
                 self._emit(events)
                 return None
             host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
@@ -305,7 +303,7 @@ class KVBlockStore:
         with self._lock:
             events: list[Event] = []
             for index, tier in enumerate(self.tiers):
-                events.extend(self._stored(k, tier.medium) for k in self.placement.keys(index))
+                events.extend(self._plans.stored(k, tier.medium) for k in self.placement.keys(index))
             return coalesce(events)
 
     # -- internals -----------------------------------------------------------------------------
@@ -337,7 +335,7 @@ class KVBlockStore:
         steps = self.placement.plan_put(key, tensor.nbytes, tier)
         meta.block_size = len(meta.token_ids) or (tensor.shape[2] if tensor.dim() == 5 else 0)
         self._meta[key] = meta
-        self._execute(steps, {key: tensor}, not copy, events)
+        self._plans.execute(steps, {key: tensor}, not copy, events)
         return key in self.placement
 
     def _get(self, key: int, events: list[Event]) -> torch.Tensor | None:
@@ -348,56 +346,15 @@ class KVBlockStore:
         try:
             tensor = self.tiers[tier].load(key)  # read (and verify) before deciding anything
         except (OSError, AgentError) as exc:
-            self._lose(key, exc, events)
+            self._plans.lose(key, exc, events)
             self.placement.stats.misses += 1
             return None
         _, steps = self.placement.plan_get(key)
         if not steps:
             return tensor
-        self._execute(steps, {key: tensor}, True, events)
+        self._plans.execute(steps, {key: tensor}, True, events)
         where = self.placement.tier_of(key)
         return self.tiers[where].load(key) if where is not None else tensor
-
-    def _execute(self, steps: list[Step], staged: dict, owned: bool, events: list[Event]) -> None:
-        failed: set[int] = set()
-        for kind, key, src, dst in steps:
-            if key in failed:
-                continue
-            try:
-                if kind is StepKind.TAKE:
-                    if key not in staged:
-                        staged[key] = self.tiers[src].load(key)
-                    self.tiers[src].delete(key)
-                    events.append(BlockRemoved((key,), self.tiers[src].medium))
-                elif kind is StepKind.MOVE:
-                    tensor = self.tiers[src].load(key)
-                    self.tiers[dst].store(key, tensor, self._meta[key], owned=True)
-                    self.tiers[src].delete(key)
-                    events.append(BlockRemoved((key,), self.tiers[src].medium))
-                    events.append(self._stored(key, self.tiers[dst].medium))
-                elif kind is StepKind.DROP:
-                    self.tiers[src].delete(key)
-                    self._meta.pop(key, None)
-                    events.append(BlockRemoved((key,), self.tiers[src].medium))
-                else:
-                    self.tiers[dst].store(key, staged.pop(key), self._meta[key], owned=owned)
-                    events.append(self._stored(key, self.tiers[dst].medium))
-            except (OSError, AgentError) as exc:
-                failed.add(key)
-                self._lose(key, exc, events)
-
-    def _lose(self, key: int, exc: BaseException, events: list[Event]) -> None:
-        log.warning("dropping block %016x: %s", key, exc)
-        self.placement.forget(key)
-        self._meta.pop(key, None)
-        for tier in self.tiers:
-            if key in tier:
-                tier.delete(key)
-                events.append(BlockRemoved((key,), tier.medium))
-
-    def _stored(self, key: int, medium: str) -> BlockStored:
-        meta = self._meta[key]
-        return BlockStored((key,), meta.parent, meta.token_ids, meta.block_size, medium)
 
     def _emit(self, events: list[Event]) -> None:
         if events and self._on_events is not None:
