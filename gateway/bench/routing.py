@@ -86,10 +86,12 @@ def target_names(requested: str, *, need_peers: bool = False) -> list[str]:
     """The targets to run.  ``all`` leaves out the peer routers that are not installed, with a
     warning on stderr, or (``need_peers``: a table for the README) refuses to run without them."""
     names = [f"kvgate/{p}" for p in KVGATE_POLICIES] + [MIGRATE]
-    names += [n for n, (tool, _) in PEERS.items() if find_peer(tool)]
+    tools = {tool for tool, _ in PEERS.values()}
+    found = {tool for tool in tools if find_peer(tool)}
+    names += [n for n, (tool, _) in PEERS.items() if tool in found]
     names.append("oracle")
     if requested == "all":
-        missing = sorted({tool for tool, _ in PEERS.values() if not find_peer(tool)})
+        missing = sorted(tools - found)
         if missing:
             msg = f"peer routers not installed: {', '.join(missing)} (pip install -e '.[bench]')"
             if need_peers:
