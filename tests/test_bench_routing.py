@@ -163,3 +163,23 @@ def test_all_targets_without_the_peer_routers_warns_and_a_readme_table_refuses(m
         routing.target_names("sglang-router/cache_aware")
     monkeypatch.setattr(routing, "find_peer", lambda name: f"/opt/{name}")
     assert set(routing.PEERS) <= set(routing.target_names("all", need_peers=True))
+
+
+def test_rate_scale_keeps_the_script_and_stretches_its_arrivals() -> None:
+    from gateway.bench.routing import _rate_note, _scaled
+
+    base, slow = _scaled("hot_prefix", 0.1), _scaled("hot_prefix", 0.1, 0.8)
+    assert len(slow.requests) == len(base.requests) == 80
+    assert [r.messages for r in slow.requests] == [r.messages for r in base.requests]
+    assert slow.params["rate"] == pytest.approx(0.8 * base.params["rate"])
+    assert slow.duration_s == pytest.approx(base.duration_s / 0.8)  # same draws, 1/0.8 the gaps
+    assert _scaled("multi_turn", 1.0, 0.5).params["rate"] == pytest.approx(12.0)
+    with pytest.raises(SystemExit):
+        _scaled("shared_prefix", 0.5, 0.0)
+
+    class Args:
+        rate_scale = 0.8
+
+    assert _rate_note(Args()) == "arrivals at 0.8x each workload's rate; "
+    Args.rate_scale = 1.0
+    assert _rate_note(Args()) == ""

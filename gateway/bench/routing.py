@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-fraction", type=float, default=1 / 3,
                    help="per-replica cache as a fraction of the workload's distinct blocks")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
+    p.add_argument("--rate-scale", type=float, default=1.0,
+                   help="multiplies each workload's arrival rate (e.g. 0.8: a load the replicas "
+                        "sustain where the default rate overloads them)")
     p.add_argument("--rounds", type=int, default=1,
                    help="replay every workload this many times per target, targets in a rotated order "
                         "each round; the table reports each metric's median over the rounds")
@@ -230,12 +233,15 @@ def warm_up(workload: Workload, urls: list[str]) -> None:
     _reset(urls)
 
 
-def _scaled(name: str, scale: float) -> Workload:
+def _scaled(name: str, scale: float, rate_scale: float = 1.0) -> Workload:
+    """Workload ``name`` with ``scale`` of its requests, arriving at ``rate_scale`` x its rate."""
+    if scale <= 0 or rate_scale <= 0:
+        raise SystemExit("--scale and --rate-scale must be > 0")
     factory = WORKLOADS[name]
     w = factory()
-    if scale != 1.0:
-        n = max(10, int(len(w.requests) * scale))
-        w = factory(requests=n)
+    if scale != 1.0 or rate_scale != 1.0:
+        n = max(10, int(w.params["requests"] * scale))
+        w = factory(requests=n, rate=w.params["rate"] * rate_scale)
     return w
 
 
@@ -250,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     for wname in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         if wname not in WORKLOADS:
             raise SystemExit(f"unknown workload {wname!r}; known: {sorted(WORKLOADS)}")
-        workload = _scaled(wname, args.scale)
+        workload = _scaled(wname, args.scale, args.rate_scale)
         fp = footprint(workload)
         cache_blocks = max(16, int(fp.distinct_blocks * args.cache_fraction))
         first = free_port_block(args.replicas)
@@ -288,13 +294,19 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
              f"{r.throughput_rps:.1f}", f"{r.max_over_mean_load:.2f}", str(r.failures)] for r in rows]
 
 
+def _rate_note(args: argparse.Namespace) -> str:
+    rate = getattr(args, "rate_scale", 1.0)
+    return f"arrivals at {rate:g}x each workload's rate; " if rate != 1.0 else ""
+
+
 def write_report(rows: list[Row], args: argparse.Namespace, final: bool = True,
                  runs: list[dict] | None = None) -> None:
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     setup = (f"{args.replicas} simulated replicas, {args.prefill_ms_per_token} ms/prefill token, "
              f"{args.decode_ms_per_token} ms/decode token, {args.max_running} running, cache per replica = "
-             f"{args.cache_fraction:.2f} of the workload's distinct blocks; {_rounds_note(args)}{stamp}")
+             f"{args.cache_fraction:.2f} of the workload's distinct blocks; "
+             f"{_rate_note(args)}{_rounds_note(args)}{stamp}")
     md = f"Routing quality ({setup}):\n\n" + markdown_table(HEADERS, table_rows(rows)) + "\n"
     if final:
         print(md)
