@@ -1,9 +1,10 @@
 """Tiered KV block store: LRU placement over GPU -> CPU -> disk tiers, with KV events.
 
 ``KVBlockStore`` executes the plans of ``placement.Placement`` (pure bookkeeping; carried out by
-``plans.PlanRunner``) against physical tiers (``tiers.MemoryTier`` / ``disktier.DiskTier``): demotion under pressure (GPU -> CPU -> disk ->
-dropped), promotion to the top tier on a hit, explicit moves.  Blocks are keyed by their chained
-block hash (``policies.hashing``), which already includes the model/LoRA salt.
+``plans.PlanRunner``) against physical tiers (``tiers.MemoryTier`` / ``disktier.DiskTier``):
+demotion under pressure (GPU -> CPU -> disk -> dropped), promotion to the top tier on a hit,
+explicit moves.  Blocks are keyed by their chained block hash (``policies.hashing``), which
+already includes the model/LoRA salt.
 
 Contracts.
 * ``put`` copies the caller's tensor unless ``copy=False``, which hands the tensor over (the
