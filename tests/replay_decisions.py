@@ -22,7 +22,7 @@ PARAMS = (
     {},
     {"max_running": 3, "migrate": True},
     {"max_running": 8, "engine_block_tokens": 16, "spill_when_full": True},
-    {"max_running": 4, "replicate_util": 0.5, "tie_ms": 20},
+    {"max_running": 4, "replicate_util": 1.0, "tie_ms": 20},
 )
 
 

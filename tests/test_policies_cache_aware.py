@@ -399,9 +399,10 @@ def test_a_finished_or_failed_request_ends_the_wait_for_its_prefill(deps: Policy
 
 def test_a_burst_that_filled_the_holder_is_waited_for_as_long_as_it_runs(deps: PolicyDeps) -> None:
     """8 requests of 64 tokens (10 ms each) fill r0 at once: the next slot frees when they end,
-    ~640 ms later, not after an average slot's 80 ms, so a 32-block prompt (205 ms) goes cold."""
+    ~640 ms later, not after an average slot's 80 ms, so a 32-block prompt (205 ms) goes cold.
+    (Copying by demand off: the burst keeps all 8 slots busy, which would copy the prefix.)"""
     pol = build(deps, max_running=8, decode_ms_per_token=10, avg_output_tokens=64,
-                busy_ms_per_request=0)  # fmt: skip
+                busy_ms_per_request=0, replicate_util=0)  # fmt: skip
     system = doc("sys", 32)
     burst = [RequestFeatures("m", system + doc(f"q{i}-", 1), TPH, 33 * TPH, 64, None, True)
              for i in range(8)]  # fmt: skip

@@ -71,6 +71,27 @@ def test_a_prefix_asked_for_faster_than_its_holder_serves_gets_a_copy_first(deps
     assert _place(build(deps2, **params, replicate_util=0), deps2, 5) == ["r0"] * 5
 
 
+def test_a_copy_comes_once_half_the_holders_slots_are_busy_with_the_prefix(deps) -> None:
+    """Six requests a second, each holding a slot ~0.33 s, keep about two of the holder's three
+    slots busy: under ``replicate_util`` 1 it stays there (and queues at every burst); by default
+    (0.5) the fifth request makes the copy, while the other replicas are idle."""
+    params = dict(max_running=3, decode_ms_per_token=10, busy_ms_per_request=0)
+
+    def place(pol, deps: PolicyDeps) -> list[str]:
+        deps.index.insert("r0", doc("hot", 100))
+        placed: list[str] = []
+        reqs = [_hot(i) for i in range(5)]
+        for i, req in enumerate(reqs):
+            deps.clock.t = i * 0.16  # type: ignore[attr-defined]
+            placed.append(route(pol, req, view(*[placed.count(f"r{k}") for k in range(4)])).replica)
+        return placed
+
+    placed = place(build(deps, **params), deps)
+    assert placed[:4] == ["r0"] * 4 and placed[4] != "r0"
+    deps2 = PolicyDeps(clock=FakeClock(), index=PrefixIndex())
+    assert place(build(deps2, **params, replicate_util=1), deps2) == ["r0"] * 5
+
+
 def test_a_prefix_its_holders_can_serve_stays_put(deps) -> None:
     pol = build(deps, max_running=8, decode_ms_per_token=10, busy_ms_per_request=0)
     deps.index.insert("r0", doc("hot", 100))
