@@ -49,12 +49,12 @@ def _hot(i: int) -> RequestFeatures:
     return RequestFeatures("m", doc("hot", 100) + doc(f"q{i}-", 1), TPH, 101 * TPH, 32, None, True)
 
 
-def _place(pol, deps: PolicyDeps, n: int) -> list[str]:
+def _place(pol, deps: PolicyDeps, n: int, gap: float = 0.05) -> list[str]:
     deps.index.insert("r0", doc("hot", 100))  # 640 ms of prefill anywhere else
     placed: list[str] = []
     reqs = [_hot(i) for i in range(n)]  # kept alive: in flight, each is known by its id
     for i, req in enumerate(reqs):
-        deps.clock.t = i * 0.05  # type: ignore[attr-defined]
+        deps.clock.t = i * gap  # type: ignore[attr-defined]
         placed.append(route(pol, req, view(*[placed.count(f"r{k}") for k in range(4)])).replica)
     return placed
 
@@ -76,20 +76,10 @@ def test_a_copy_comes_once_half_the_holders_slots_are_busy_with_the_prefix(deps)
     slots busy: under ``replicate_util`` 1 it stays there (and queues at every burst); by default
     (0.5) the fifth request makes the copy, while the other replicas are idle."""
     params = dict(max_running=3, decode_ms_per_token=10, busy_ms_per_request=0)
-
-    def place(pol, deps: PolicyDeps) -> list[str]:
-        deps.index.insert("r0", doc("hot", 100))
-        placed: list[str] = []
-        reqs = [_hot(i) for i in range(5)]
-        for i, req in enumerate(reqs):
-            deps.clock.t = i * 0.16  # type: ignore[attr-defined]
-            placed.append(route(pol, req, view(*[placed.count(f"r{k}") for k in range(4)])).replica)
-        return placed
-
-    placed = place(build(deps, **params), deps)
+    placed = _place(build(deps, **params), deps, 5, gap=0.16)
     assert placed[:4] == ["r0"] * 4 and placed[4] != "r0"
     deps2 = PolicyDeps(clock=FakeClock(), index=PrefixIndex())
-    assert place(build(deps2, **params, replicate_util=1), deps2) == ["r0"] * 5
+    assert _place(build(deps2, **params, replicate_util=1), deps2, 5, gap=0.16) == ["r0"] * 5
 
 
 def test_a_prefix_its_holders_can_serve_stays_put(deps) -> None:
