@@ -158,6 +158,7 @@ class GatewayApp:
             checker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checker
+            await proxy.warms.aclose()
             await sync.stop()
             if self._store is None:
                 await store.close()

@@ -35,6 +35,10 @@ class GatewayMetrics:
         self.upstream_errors = Counter(
             "kvgate_upstream_errors_total", "Upstream failures by replica and kind", ["replica", "kind"], registry=r
         )
+        self.warm_requests = Counter(
+            "kvgate_warm_requests_total", "Prefill-only requests that copied a hot prefix (Decision.warm)",
+            ["replica", "outcome"], registry=r,
+        )
         self.retries = Counter("kvgate_retries_total", "Requests retried on an alternate", ["replica"], registry=r)
         self.ejections = Counter("kvgate_replica_ejections_total", "Passive ejections", ["replica"], registry=r)
         self.in_flight = Gauge("kvgate_replica_in_flight", "Requests in flight per replica", ["replica"], registry=r)

@@ -45,6 +45,7 @@ from .upstream import (
     error_kind,
     translate,
 )
+from .warms import Warmer
 from .wire import (
     cached_tokens,
     read_body,
@@ -115,6 +116,7 @@ class Proxy:
         self.open_streams = 0
         self.in_flight = 0  # requests being forwarded (the max_in_flight limit)
         self.holds = PrefillHolds(pool, policy)  # requests waiting for a prefill in flight
+        self.warms = Warmer(pool, policy, self.client, self.holds, metrics.warm_requests, clock)
         self.token_rates = TokenRates()  # bytes per engine token, per model, learnt from usage
         self.max_in_flight = cfg.max_in_flight
         self.disconnects = DisconnectWatch(self.watch_disconnect_after_s)
@@ -179,6 +181,11 @@ class Proxy:
             decision, view = self._decide(parsed.features)
             if decision.pull_from is not None:  # migration hint -> kv_transfer_params
                 body = pull_hint_body(parsed.body, decision, self.pool) or body
+            if decision.warm is not None:  # a copy of the prefix made by a request of its own
+                qs = scope.get("query_string", b"")
+                path = route + ("?" + qs.decode("latin-1") if qs else "")
+                wh = [*forward, (b"x-request-id", request_id + b"-warm")]
+                self.warms.start(parsed, path, wh, decision.warm, view)
         except KvgateError as exc:
             self._m_requests.get(route, str(exc.status)).inc()
             await send_error(send, exc, [(b"x-request-id", request_id)])

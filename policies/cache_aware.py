@@ -100,6 +100,12 @@ Algorithm (filter -> score -> pick):
   are free, not once the holder's queue is longer than a cold prefill (in the hot-prefix
   benchmark at 3 slots that backlog lasted the run: TTFT p50 1.4x round robin's; now ~1.05x).
   A conversation's turns are each a prefix of their own, asked for once: never copied.
+  With ``warm_copies`` no client makes the copy: the request that shows the demand is ranked
+  again as if none were needed (it stays with a holder, unless leaving pays anyway: then it is
+  the copy, as without the flag), and its decision carries ``warm``, the copy's decision (same
+  replica, reason ``warm-copy``, no alternates).  The gateway sends the prompt there with one
+  output token (``gateway.warms``) and reports it as a dispatch, so the next decisions see the
+  copy being computed (a follower may hold for it) and count its replica as a holder.
 * Requests held at the gateway (``ReplicaState.held``) count in ``load`` (the bound) but not
   in the queue of a request sent now, which reaches the engine before them.  A follower's wait
   for a slot runs while the prefill it waits for does: it is held only for the part of the
@@ -190,17 +196,33 @@ class CacheAware(BasePolicy):
 
     def select(self, req: RequestFeatures, view: ClusterView) -> Decision:
         replicas = self.eligible(req, view)
-        p = self._p
         hashes = req.prefix_hashes
-        n = len(hashes)
-        tph = req.tokens_per_hash
-        total = req.prompt_tokens or n * tph
-        matched = self._index.match(hashes) if n else _NONE
+        matched = self._index.match(hashes) if hashes else _NONE
         now = self._clock()
         ids = [r.id for r in replicas]
         loads = [max(r.in_flight, r.running + r.waiting) for r in replicas]  # ReplicaState.load
         top_blocks = max(matched.values()) if matched else 0
         copy = bool(top_blocks) and self._needs_copy(req, ids, matched, top_blocks, now)
+        decision = self._rank(req, replicas, ids, loads, matched, top_blocks, copy, now)
+        if copy and self._p.warm_copies and matched.get(decision.replica, 0) < top_blocks:
+            # The copy is made by a prefill of its own (the gateway sends ``warm``), so the
+            # request itself is ranked as if no copy were needed: it stays with a holder
+            # unless leaving pays anyway, in which case it makes the copy (no warm needed).
+            stay = self._rank(req, replicas, ids, loads, matched, top_blocks, False, now)
+            if matched.get(stay.replica, 0) >= top_blocks and not stay.pull_tokens:
+                stay.warm = self._warm_decision(decision)
+                return stay
+        return decision
+
+    def _rank(self, req: RequestFeatures, replicas: list, ids: list[str], loads: list[int],
+              matched: dict[str, int], top_blocks: int, copy: bool, now: float) -> Decision:
+        """Score every replica (``copy``: the prefix needs another copy, see the header) and
+        decide."""
+        p = self._p
+        hashes = req.prefix_hashes
+        n = len(hashes)
+        tph = req.tokens_per_hash
+        total = req.prompt_tokens or n * tph
         limit = self._pressure.limit(loads, copy)
         if copy and all(load > limit or matched.get(rid, 0) >= top_blocks
                         for rid, load in zip(ids, loads, strict=True)):  # fmt: skip
@@ -261,6 +283,16 @@ class CacheAware(BasePolicy):
                     pulls.append(_score((False, q + (total - have) * pf + pull_ms + pen, rid, have,
                                          load, pull, pull_ms, False, 0.0, pen)))  # fmt: skip
         return self._decide(req, scored, pulls, holder, matched, total, top_blocks)
+
+    @staticmethod
+    def _warm_decision(copy: Decision) -> Decision:
+        """The prefill-only request that makes the copy ``copy`` chose: no alternates (a warm
+        that fails is not retried elsewhere), and no demand of its own (``top_blocks`` 0)."""
+        scores = dict(copy.scores)
+        scores["top_blocks"] = 0.0
+        scores["hold_ms"] = 0.0
+        return Decision(replica=copy.replica, reason="warm-copy",
+                        predicted_cached_tokens=copy.predicted_cached_tokens, scores=scores)
 
     def _decide(self, req: RequestFeatures, scored: list[Score], pulls: list[Score],
                 holder: str | None, matched: dict[str, int], total: int,

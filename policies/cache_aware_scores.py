@@ -25,11 +25,15 @@ class CacheAwareParams:
     requests of interference: a wider window threw away real hits -- in the hot_prefix benchmark a
     100 ms window scattered every 44 ms tail prefix over all replicas), service_alpha 0.05,
     warm_min_ms 20, wait_for_prefill true, learn_capacity true, work_weight 0.3, evict_weight 1
-    (weight 1 kept one more point of hits at 90% busy, at 1.4x the TTFT p99), replicate_util 0.5 (0
-    turns copying by demand off; a copy once the prefix keeps half its holders' slots busy, not
-    all of them: in the hot-prefix benchmark at 3 slots and 0.8x its rate, five interleaved
-    rounds, TTFT p50 37 ms and p99 409 against 48 and 555 with 1, the same hit rate; at 8 slots
-    p99 107 against 157, 98% of the ideal against 99%); migrate false,
+    (weight 1 kept one more point of hits at 90% busy, at 1.4x the TTFT p99), replicate_util
+    0.25 (0 turns copying by demand off; a copy once the prefix keeps a quarter of its holders'
+    slots busy), warm_copies true (the copy is made by a prefill-only request the gateway sends,
+    not by a client's request).  Without warms a copy cost a client a cold prefill, and 0.5 was
+    the best trade (hot-prefix at 3 slots and 0.8x its rate, five interleaved rounds: TTFT p50 37
+    ms and p99 409 against 48 and 555 with 1).  With them copies cost no client anything and may
+    come early: hot-prefix there p50 27 / p99 296 (0.25 with warms) against 43 / 370 (0.5 with
+    warms) and round robin's 46 / 328; at 8 slots p99 49 against 108 without warms; shared-prefix
+    at 3 slots p50 105 / p99 454 against 128 / 590 without, the same hit rate.  migrate false,
     pull_margin_ms 0 (a copy's eviction is priced; see the migration
     notes in ``policies.cache_aware``), transfer_ms_per_token 0.01
     (an 8B model's 128 KiB of KV per token at 12.5 GB/s), transfer_overhead_ms 2, migrate_min_tokens
@@ -65,7 +69,8 @@ class CacheAwareParams:
     wait_for_prefill: bool = True
     work_weight: float = 0.3
     evict_weight: float = 1.0
-    replicate_util: float = 0.5
+    replicate_util: float = 0.25
+    warm_copies: bool = True
 
     def validate(self) -> None:
         if self.prefill_ms_per_token < 0 or self.decode_ms_per_token < 0:

@@ -77,6 +77,10 @@ class Decision:
     ``predicted_cached_tokens`` then counts the pulled tokens.
     ``hold_s``: send the request only after this many seconds (a prefill of its prefix is in
     flight on ``replica`` and will be done by then; ``predicted_cached_tokens`` counts it).
+    ``warm``: a prefill-only request to send alongside (the same prompt, one output token) to
+    ``warm.replica``: a copy of the prompt's prefix made there without a client waiting for it.
+    The gateway reports it to the policy as a request of its own (``on_dispatch`` with ``warm``
+    and features whose ``max_tokens`` is 1, then ``on_first_token`` / ``on_complete``).
     """
 
     replica: str
@@ -87,6 +91,7 @@ class Decision:
     pull_from: str | None = None
     pull_tokens: int = 0
     hold_s: float = 0.0
+    warm: Decision | None = None
 
     def candidates(self) -> tuple[str, ...]:
         return (self.replica, *self.alternates)

@@ -23,6 +23,7 @@ PARAMS = (
     {"max_running": 3, "migrate": True},
     {"max_running": 8, "engine_block_tokens": 16, "spill_when_full": True},
     {"max_running": 4, "replicate_util": 1.0, "tie_ms": 20},
+    {"max_running": 3, "replicate_util": 0.05, "warm_copies": True, "load_slack": 8},
 )
 
 
@@ -66,9 +67,14 @@ def replay(seed: int, params: dict, steps: int = 400) -> list[list]:
         d = pol.select(req, view)
         out.append([d.replica, list(d.alternates), d.reason, d.predicted_cached_tokens,
                     d.pull_from, d.pull_tokens, round(d.hold_s, 9),
-                    {key: round(v, 6) for key, v in sorted(d.scores.items())}])  # fmt: skip
+                    {key: round(v, 6) for key, v in sorted(d.scores.items())},
+                    d.warm and [d.warm.replica, d.warm.reason, d.warm.predicted_cached_tokens]])  # fmt: skip
         pol.on_dispatch(req, d, view)
         open_.append((req, d, clock.t))
+        if d.warm is not None:  # as the gateway does: a request of its own, one output token
+            warm = RequestFeatures(req.model, req.prefix_hashes, req.tokens_per_hash, req.prompt_tokens, 1)
+            pol.on_dispatch(warm, d.warm, view)
+            open_.append((warm, d.warm, clock.t))
         while open_ and rng.random() < 0.6:
             r, dec, t0 = open_.pop(rng.randrange(len(open_)))
             ok = rng.random() > 0.05

@@ -64,6 +64,8 @@ def test_bench_routing_end_to_end(tmp_path):
     for r in rows.values():  # two rounds: each row sums both runs' requests
         assert r["failures"] == 0 and r["requests"] == 2 * expected and sum(r["per_replica"]) == expected
         assert 0 < r["hit_rate"] <= r["ideal_hit_rate"] + 1e-9
+        # no warms here: what the replicas computed is what the clients asked for
+        assert r["engine_hit_rate"] == pytest.approx(r["hit_rate"], abs=1e-9)
     assert rows["oracle"]["hit_rate"] >= rows["kvgate/round_robin"]["hit_rate"]
     assert sorted((r["target"], r["round"]) for r in data["runs"]) == [
         ("kvgate/round_robin", 0), ("kvgate/round_robin", 1), ("oracle", 0), ("oracle", 1)]

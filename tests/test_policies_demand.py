@@ -3,6 +3,8 @@ slots can serve gets another copy before the holder queues; held requests queue 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from policies import ClusterView, PolicyDeps, PrefixIndex, ReplicaState, RequestFeatures
@@ -63,23 +65,36 @@ def test_a_prefix_asked_for_faster_than_its_holder_serves_gets_a_copy_first(deps
     """3 slots a replica, 32 output tokens at 10 ms: a request holds a slot ~0.33 s.  A document
     asked for 20 times a second keeps ~7 slots busy: once four arrivals show it, the next request
     goes to another replica, before the holder's queue is longer than a cold prefill elsewhere
-    (which is when the greedy pick would leave it, with a backlog built)."""
-    params = dict(max_running=3, decode_ms_per_token=10, busy_ms_per_request=0)
+    (which is when the greedy pick would leave it, with a backlog built).  Without warms (the
+    default sends the copy as a request of its own; see the last test) that request is the copy."""
+    params = dict(max_running=3, decode_ms_per_token=10, busy_ms_per_request=0, warm_copies=False)
     placed = _place(build(deps, **params), deps, 5)
     assert placed == ["r0"] * 4 + [placed[4]] and placed[4] != "r0"
     deps2 = PolicyDeps(clock=FakeClock(), index=PrefixIndex())
     assert _place(build(deps2, **params, replicate_util=0), deps2, 5) == ["r0"] * 5
 
 
-def test_a_copy_comes_once_half_the_holders_slots_are_busy_with_the_prefix(deps) -> None:
-    """Six requests a second, each holding a slot ~0.33 s, keep about two of the holder's three
-    slots busy: under ``replicate_util`` 1 it stays there (and queues at every burst); by default
-    (0.5) the fifth request makes the copy, while the other replicas are idle."""
-    params = dict(max_running=3, decode_ms_per_token=10, busy_ms_per_request=0)
-    placed = _place(build(deps, **params), deps, 5, gap=0.16)
-    assert placed[:4] == ["r0"] * 4 and placed[4] != "r0"
-    deps2 = PolicyDeps(clock=FakeClock(), index=PrefixIndex())
-    assert _place(build(deps2, **params, replicate_util=1), deps2, 5, gap=0.16) == ["r0"] * 5
+def test_a_copy_comes_once_a_quarter_of_the_holders_slots_are_busy_with_the_prefix() -> None:
+    """2.5 requests a second, each holding a slot ~0.32 s, keep about 0.8 of the holder's three
+    slots busy (one request in flight at a time: no queue): under ``replicate_util`` 0.5 it
+    stays there; by default (0.25) the fifth request, the first to see four arrivals, asks for
+    the copy while the other replicas are idle."""
+
+    def placed(**extra) -> list[str]:
+        deps = PolicyDeps(clock=FakeClock(), index=PrefixIndex())
+        pol = build(deps, max_running=3, decode_ms_per_token=10, busy_ms_per_request=0,
+                    warm_copies=False, **extra)  # fmt: skip
+        deps.index.insert("r0", doc("hot", 100))
+        reqs = [_hot(i) for i in range(6)]
+        out = []
+        for i, req in enumerate(reqs):
+            deps.clock.t = i * 0.4  # type: ignore[attr-defined]
+            out.append(route(pol, req, view(1, 0, 0, 0)).replica)
+        return out
+
+    default = placed()
+    assert default[:4] == ["r0"] * 4 and default[4] != "r0"
+    assert placed(replicate_util=0.5) == ["r0"] * 6
 
 
 def test_a_prefix_its_holders_can_serve_stays_put(deps) -> None:
@@ -132,3 +147,40 @@ def test_a_prefix_that_needs_a_copy_stays_when_every_other_replica_is_over_the_b
         assert route(pol, req, view(0, 0, 0, 0)).replica == "r0"
     d = pol.select(reqs[4], view(1, 30, 30, 30))  # the others far over the bound
     assert d.replica == "r0" and d.predicted_cached_tokens == 100 * TPH
+    assert d.warm is None  # nor is a copy sent there
+
+
+def test_with_warm_copies_the_request_stays_and_a_prefill_of_its_own_makes_the_copy(deps) -> None:
+    """``warm_copies``: the request that shows the prefix needs a copy stays with its holder (no
+    client pays the cold prefill) and the decision carries the copy as ``warm``; each warm
+    dispatched adds a holder, and a follower sent to a copy in flight holds for it."""
+    pol = build(deps, max_running=3, decode_ms_per_token=10, busy_ms_per_request=0)  # warms: default
+    deps.index.insert("r0", doc("hot", 100))
+    reqs = [_hot(i) for i in range(7)]
+    decisions = []
+    for i, req in enumerate(reqs):
+        deps.clock.t = i * 0.05  # type: ignore[attr-defined]
+        v = view(*[sum(d.replica == f"r{k}" for d in decisions) for k in range(4)])
+        d = route(pol, req, v)
+        decisions.append(d)
+        if d.warm is not None:
+            warm_req = replace(req, max_tokens=1, session_key=None, stream=False)
+            pol.on_dispatch(warm_req, d.warm, v)
+    warms = [d.warm.replica for d in decisions if d.warm is not None]
+    assert decisions[4].warm is not None and not any(d.warm for d in decisions[:4])
+    # 20 a second keep ~7 slots busy: each warm adds a holder, until every replica has it
+    assert sorted(warms) == ["r1", "r2", "r3"]
+    assert [d.replica for d in decisions[:5]] == ["r0"] * 5  # nobody paid the cold prefill
+    copy = decisions[4].warm
+    assert copy.reason == "warm-copy" and not copy.alternates
+    assert copy.scores["top_blocks"] == 0  # a warm is no demand of its own
+    assert deps.index.match(doc("hot", 100)).get(copy.replica) == 100  # recorded as computing
+    # Once the copies are computed, a request finds the prefix there instead of r0's queue
+    deps.clock.t = 1.0  # type: ignore[attr-defined]
+    later = pol.select(_hot(99), view(7, 0, 0, 0))
+    assert later.replica != "r0" and later.predicted_cached_tokens >= 100 * TPH
+    # without the flag the fifth request makes the first copy itself, cold, on the same replica
+    deps2 = PolicyDeps(clock=FakeClock(), index=PrefixIndex())
+    placed = _place(build(deps2, max_running=3, decode_ms_per_token=10, busy_ms_per_request=0,
+                          warm_copies=False), deps2, 5)  # fmt: skip
+    assert placed[4] == copy.replica

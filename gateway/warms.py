@@ -1,0 +1,124 @@
+"""Prefill-only requests that make a hot prefix's copy without a client waiting for it.
+
+A policy that decides a prefix needs another copy (``cache_aware`` with ``warm_copies``) keeps
+the request that triggered it with a replica holding the prefix and sets ``Decision.warm``: the
+replica that should get the copy.  ``Warmer.start`` sends it there as a request of its own --
+the client's body with one output token, not streamed -- in the background:
+
+* reported to the policy as a dispatch at once (``on_dispatch`` with the warm decision, before
+  any other request is decided), so the next decisions see the copy being computed (a follower
+  may hold for it, ``Decision.hold_s``) and no second copy is asked for;
+* counted in the replica's in-flight load while it runs;
+* its first (and only) token reported like a client request's (``PrefillHolds.first_token``:
+  followers held for the copy are released), then ``on_complete`` with what the replica said
+  it cached; a warm that fails is not retried (the index forgets what it did not compute).
+
+The client's answer never waits for it, and its outcome never reaches the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import orjson
+
+from policies.types import ClusterView, Decision, Outcome, RequestFeatures
+
+from . import fastclient as fc
+from .features import CHAT, COMPLETION, ParsedRequest
+from .holds import PrefillHolds
+from .replicas import ReplicaPool
+from .upstream import UpstreamClient
+from .wire import cached_tokens, usage_from_json
+
+log = logging.getLogger("kvgate.warm")
+
+# Fields that ask for more than one output token (or a stream), dropped from a warm's body.
+_DROP = ("max_completion_tokens", "min_tokens", "stream_options", "n", "best_of", "logprobs",
+         "top_logprobs", "echo")
+
+
+def warm_body(kind: str, body: dict) -> dict | None:
+    """The body of a warm for a client's ``body``: the same prompt, one output token, no stream;
+    None for a route without a generated answer to cut short (embeddings, responses)."""
+    if kind not in (CHAT, COMPLETION):
+        return None
+    out = {k: v for k, v in body.items() if k not in _DROP}
+    out["max_tokens"] = 1
+    out["stream"] = False
+    return out
+
+
+class Warmer:
+    """Sends the warms a policy asks for; one per proxy, built with it."""
+
+    def __init__(self, pool: ReplicaPool, policy, client: UpstreamClient, holds: PrefillHolds,
+                 counter, clock: Callable[[], float]) -> None:  # fmt: skip
+        self.pool = pool
+        self.policy = policy
+        self.client = client
+        self.holds = holds
+        self.counter = counter  # kvgate_warm_requests_total{replica, outcome}
+        self.clock = clock
+        self.tasks: set[asyncio.Task] = set()
+
+    def start(self, parsed: ParsedRequest, path: str, headers: list[tuple[bytes, bytes]],
+              warm: Decision, view: ClusterView) -> bool:  # fmt: skip
+        """Report ``warm`` to the policy and send it in the background; False (nothing sent,
+        nothing reported) when the route has no warm or the replica is gone."""
+        body = warm_body(parsed.kind, parsed.body)
+        rep = self.pool.get(warm.replica)
+        if body is None or rep is None:
+            return False
+        features = dataclasses.replace(parsed.features, max_tokens=1, session_key=None, stream=False)
+        self.policy.on_dispatch(features, warm, view)
+        self.pool.begin(warm.replica)
+        coro = self._run(rep.url, path, headers, orjson.dumps(body), features, warm)
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return True
+
+    async def _run(self, url: str, path: str, headers, body: bytes, features: RequestFeatures,
+                   warm: Decision) -> None:  # fmt: skip
+        replica = warm.replica
+        started = self.clock()
+        ok = False
+        ttft = None
+        usage = None
+        outcome = "error"
+        try:
+            resp = await self.client.request("POST", url, path, headers, body)
+            try:
+                data = await resp.aread()
+            finally:
+                await resp.aclose()
+            ok = resp.status < 400
+            outcome = "ok" if ok else f"status_{resp.status}"
+            if ok:
+                ttft = self.clock() - started
+                usage = usage_from_json(data)
+                self.holds.first_token(features, replica)
+        except fc.HTTPError as exc:
+            log.warning("warm failed", extra={"replica": replica, "error": str(exc)})
+        finally:
+            self.pool.end(replica)
+            self.counter.labels(replica, outcome).inc()
+            prompt = (usage or {}).get("prompt_tokens") or 0
+            self.policy.on_complete(features, replica, Outcome(
+                ok=ok, prompt_tokens=prompt if isinstance(prompt, int) else 0,
+                cached_tokens=cached_tokens(usage), latency_s=self.clock() - started, ttft_s=ttft,
+                predicted_cached_tokens=warm.predicted_cached_tokens,
+            ))
+
+    async def aclose(self) -> None:
+        """Cancel the warms still in flight (shutdown)."""
+        for task in list(self.tasks):
+            task.cancel()
+        for task in list(self.tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
