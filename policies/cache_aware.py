@@ -105,7 +105,8 @@ Algorithm (filter -> score -> pick):
   the copy, as without the flag), and its decision carries ``warm``, the copy's decision (same
   replica, reason ``warm-copy``, no alternates).  The gateway sends the prompt there with one
   output token (``gateway.warms``) and reports it as a dispatch, so the next decisions see the
-  copy being computed (a follower may hold for it) and count its replica as a holder.
+  copy being computed (a follower may hold for it) and count its replica as a holder.  A copy
+  that pulls the prefix from a holder (``migrate``) costs its request only the pull: no warm.
 * Requests held at the gateway (``ReplicaState.held``) count in ``load`` (the bound) but not
   in the queue of a request sent now, which reaches the engine before them.  A follower's wait
   for a slot runs while the prefill it waits for does: it is held only for the part of the
@@ -204,10 +205,12 @@ class CacheAware(BasePolicy):
         top_blocks = max(matched.values()) if matched else 0
         copy = bool(top_blocks) and self._needs_copy(req, ids, matched, top_blocks, now)
         decision = self._rank(req, replicas, ids, loads, matched, top_blocks, copy, now)
-        if copy and self._p.warm_copies and matched.get(decision.replica, 0) < top_blocks:
+        if (copy and self._p.warm_copies and not decision.pull_tokens
+                and matched.get(decision.replica, 0) < top_blocks):  # fmt: skip
             # The copy is made by a prefill of its own (the gateway sends ``warm``), so the
             # request itself is ranked as if no copy were needed: it stays with a holder
             # unless leaving pays anyway, in which case it makes the copy (no warm needed).
+            # A copy that pulls the prefix from a holder is cheap: the request makes it.
             stay = self._rank(req, replicas, ids, loads, matched, top_blocks, False, now)
             if matched.get(stay.replica, 0) >= top_blocks and not stay.pull_tokens:
                 stay.warm = self._warm_decision(decision)

@@ -184,3 +184,18 @@ def test_with_warm_copies_the_request_stays_and_a_prefill_of_its_own_makes_the_c
     placed = _place(build(deps2, max_running=3, decode_ms_per_token=10, busy_ms_per_request=0,
                           warm_copies=False), deps2, 5)  # fmt: skip
     assert placed[4] == copy.replica
+
+
+def test_a_copy_that_can_pull_the_prefix_is_made_by_its_request_without_a_warm(deps) -> None:
+    """With ``migrate`` a copy pulls the document from its holder (a few ms, not a cold
+    prefill): the request sent there makes it itself, and no warm is sent."""
+    pol = build(deps, max_running=3, decode_ms_per_token=10, busy_ms_per_request=0, migrate=True)
+    deps.index.insert("r0", doc("hot", 100))
+    reqs = [_hot(i) for i in range(5)]
+    decisions = []
+    for i, req in enumerate(reqs):
+        deps.clock.t = i * 0.05  # type: ignore[attr-defined]
+        decisions.append(route(pol, req, view(*[sum(d.replica == f"r{k}" for d in decisions) for k in range(4)])))
+    moved = [d for d in decisions if d.replica != "r0"]
+    assert moved and all(d.pull_from not in (None, d.replica) for d in moved)  # each pulled a copy
+    assert not any(d.warm for d in decisions)
