@@ -58,8 +58,9 @@ class Row:
     throughput_rps: float
     max_over_mean_load: float
     per_replica: list[int]
-    # cached over prompt tokens of everything the replicas computed, the gateway's own warms
-    # (``Decision.warm``) included: the work a hit rate counted over client requests leaves out
+    # tokens the replicas did not compute (cached, or pulled from a peer) over the prompt tokens
+    # of everything they served, the gateway's own warms (``Decision.warm``) included: the work
+    # a hit rate counted over client requests leaves out
     engine_hit_rate: float = 0.0
 
 
@@ -202,7 +203,9 @@ def run_target(name: str, workload: Workload, urls: list[str], sim_args: dict, i
         states = _sim_state(urls)
         per_replica = [s["requests_served"] + s["requests_aborted"] for s in states]
         queried = sum(s["prefix_queries"] for s in states)
-        engine_hit = sum(s["prefix_hits"] for s in states) / queried if queried else 0.0
+        # not computed: found in the replica's cache, or pulled from a peer's (migration)
+        saved = sum(s["prefix_hits"] + s["kv_pulled_tokens"] for s in states)
+        engine_hit = saved / queried if queried else 0.0
     finally:
         if proc is not None:
             proc.stop()
