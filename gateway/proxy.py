@@ -59,6 +59,12 @@ log = logging.getLogger("kvgate.access")
 RESPONSE_SKIP = RESPONSE_DROP | {b"x-request-id"}  # the gateway sets its own x-request-id
 
 
+def _target(scope) -> str:
+    """The request's path and query string, as sent upstream."""
+    qs = scope.get("query_string", b"")
+    return scope["path"] + ("?" + qs.decode("latin-1") if qs else "")
+
+
 @dataclass(slots=True, eq=False)  # identity hash: a key of DisconnectWatch.pending
 class _Exchange:
     """Per-request bookkeeping shared by the helpers below."""
@@ -182,10 +188,8 @@ class Proxy:
             if decision.pull_from is not None:  # migration hint -> kv_transfer_params
                 body = pull_hint_body(parsed.body, decision, self.pool) or body
             if decision.warm is not None:  # a copy of the prefix made by a request of its own
-                qs = scope.get("query_string", b"")
-                path = route + ("?" + qs.decode("latin-1") if qs else "")
                 wh = [*forward, (b"x-request-id", request_id + b"-warm")]
-                self.warms.start(parsed, path, wh, decision.warm, view)
+                self.warms.start(parsed, _target(scope), wh, decision.warm, view)
         except KvgateError as exc:
             self._m_requests.get(route, str(exc.status)).inc()
             await send_error(send, exc, [(b"x-request-id", request_id)])
@@ -249,8 +253,7 @@ class Proxy:
     async def _connect(self, scope, body: bytes, headers, ex: _Exchange) -> UpstreamResponse | None:
         """Open the upstream response, retrying alternates on retryable failures."""
         candidates = ex.decision.candidates()[: self.cfg.max_retries + 1]
-        qs = scope.get("query_string", b"")
-        path = scope["path"] + ("?" + qs.decode("latin-1") if qs else "")
+        path = _target(scope)
         sent = functools.partial(self._dispatched, ex)
         if ex.decision.hold_s > 0:
             await self.holds.wait(ex.decision.replica, ex.decision.hold_s, ex.features)

@@ -42,10 +42,13 @@ _DROP = ("max_completion_tokens", "min_tokens", "stream_options", "n", "best_of"
          "top_logprobs", "echo")
 
 
+WARM_KINDS = (CHAT, COMPLETION)  # routes with a generated answer to cut short
+
+
 def warm_body(kind: str, body: dict) -> dict | None:
     """The body of a warm for a client's ``body``: the same prompt, one output token, no stream;
     None for a route without a generated answer to cut short (embeddings, responses)."""
-    if kind not in (CHAT, COMPLETION):
+    if kind not in WARM_KINDS:
         return None
     out = {k: v for k, v in body.items() if k not in _DROP}
     out["max_tokens"] = 1
@@ -70,21 +73,20 @@ class Warmer:
               warm: Decision, view: ClusterView) -> bool:  # fmt: skip
         """Report ``warm`` to the policy and send it in the background; False (nothing sent,
         nothing reported) when the route has no warm or the replica is gone."""
-        body = warm_body(parsed.kind, parsed.body)
         rep = self.pool.get(warm.replica)
-        if body is None or rep is None:
+        if parsed.kind not in WARM_KINDS or rep is None:
             return False
         features = dataclasses.replace(parsed.features, max_tokens=1, session_key=None, stream=False)
-        self.policy.on_dispatch(features, warm, view)
+        self.policy.on_dispatch(features, warm, view)  # now: before the next decision
         self.pool.begin(warm.replica)
-        coro = self._run(rep.url, path, headers, orjson.dumps(body), features, warm)
+        coro = self._run(rep.url, path, headers, parsed, features, warm)  # the body off this path
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return True
 
-    async def _run(self, url: str, path: str, headers, body: bytes, features: RequestFeatures,
-                   warm: Decision) -> None:  # fmt: skip
+    async def _run(self, url: str, path: str, headers, parsed: ParsedRequest,
+                   features: RequestFeatures, warm: Decision) -> None:  # fmt: skip
         replica = warm.replica
         started = self.clock()
         ok = False
@@ -92,6 +94,7 @@ class Warmer:
         usage = None
         outcome = "error"
         try:
+            body = orjson.dumps(warm_body(parsed.kind, parsed.body))
             resp = await self.client.request("POST", url, path, headers, body)
             try:
                 data = await resp.aread()

@@ -90,23 +90,10 @@ Algorithm (filter -> score -> pick):
   is being computed somewhere (a replica is computing part of this prompt's prefix), the
   replicas holding the longest ready hit stay eligible: sending more followers to the copy would
   make each of them recompute it, so they wait in the holder's queue if that is faster.
-* A prefix that needs another copy (``replicate_util``, ``policies.demand``): the longest prefix
-  any replica holds of the request, named by its last hash, is asked for at some rate; times a
-  request's slot time (its decode prior) that is the slots it keeps busy.  When that exceeds
-  ``replicate_util`` x its holders' slots (``max_running`` each), the holders are set aside for
-  this request (unless every replica holds it, or every one that does not is over the bound),
-  the bound is the tight one, and neither
-  recomputing nor evicting is priced: the copy is needed, and made now, while slots elsewhere
-  are free, not once the holder's queue is longer than a cold prefill (in the hot-prefix
-  benchmark at 3 slots that backlog lasted the run: TTFT p50 1.4x round robin's; now ~1.05x).
-  A conversation's turns are each a prefix of their own, asked for once: never copied.
-  With ``warm_copies`` no client makes the copy: the request that shows the demand is ranked
-  again as if none were needed (it stays with a holder, unless leaving pays anyway: then it is
-  the copy, as without the flag), and its decision carries ``warm``, the copy's decision (same
-  replica, reason ``warm-copy``, no alternates).  The gateway sends the prompt there with one
-  output token (``gateway.warms``) and reports it as a dispatch, so the next decisions see the
-  copy being computed (a follower may hold for it) and count its replica as a holder.  A copy
-  that pulls the prefix from a holder (``migrate``) costs its request only the pull: no warm.
+* A prefix that needs another copy (``replicate_util``, ``warm_copies``; ``policies.demand``
+  says when, and how the copy is made): the holders are set aside for this request and the
+  bound is the tight one, recomputing and evicting unpriced; with ``warm_copies`` (the default)
+  the request is ranked again without that, and its decision carries the copy as ``warm``.
 * Requests held at the gateway (``ReplicaState.held``) count in ``load`` (the bound) but not
   in the queue of a request sent now, which reaches the engine before them.  A follower's wait
   for a slot runs while the prefill it waits for does: it is held only for the part of the
@@ -152,7 +139,7 @@ from .cache_aware_scores import (
     reason_for,
     warm_s,
 )
-from .demand import PrefixDemand
+from .demand import PrefixDemand, warm_decision
 from .deps import resolve_deps
 from .pulls import PullCost
 from .slots import SlotTimeline
@@ -213,7 +200,7 @@ class CacheAware(BasePolicy):
             # A copy that pulls the prefix from a holder is cheap: the request makes it.
             stay = self._rank(req, replicas, ids, loads, matched, top_blocks, False, now)
             if matched.get(stay.replica, 0) >= top_blocks and not stay.pull_tokens:
-                stay.warm = self._warm_decision(decision)
+                stay.warm = warm_decision(decision)
                 return stay
         return decision
 
@@ -286,16 +273,6 @@ class CacheAware(BasePolicy):
                     pulls.append(_score((False, q + (total - have) * pf + pull_ms + pen, rid, have,
                                          load, pull, pull_ms, False, 0.0, pen)))  # fmt: skip
         return self._decide(req, scored, pulls, holder, matched, total, top_blocks)
-
-    @staticmethod
-    def _warm_decision(copy: Decision) -> Decision:
-        """The prefill-only request that makes the copy ``copy`` chose: no alternates (a warm
-        that fails is not retried elsewhere), and no demand of its own (``top_blocks`` 0)."""
-        scores = dict(copy.scores)
-        scores["top_blocks"] = 0.0
-        scores["hold_ms"] = 0.0
-        return Decision(replica=copy.replica, reason="warm-copy",
-                        predicted_cached_tokens=copy.predicted_cached_tokens, scores=scores)
 
     def _decide(self, req: RequestFeatures, scored: list[Score], pulls: list[Score],
                 holder: str | None, matched: dict[str, int], total: int,

@@ -21,11 +21,41 @@ Algorithm:
   ``service_s``) times the time a request holds a slot is the number of its requests in flight
   (Little's law; a burst of n counts as n); it needs another copy when that exceeds ``holders x
   slots x util``.
+
+How ``cache_aware`` uses it: the longest prefix any replica holds of the request is asked for at
+some rate; times a request's slot time (its decode prior) that is the slots it keeps busy.  When
+that exceeds ``replicate_util`` x its holders' slots (``max_running`` each), the holders are set
+aside for this request (unless every replica holds it, or every one that does not is over the
+bound), the bound is the tight one, and neither recomputing nor evicting is priced: the copy is
+needed, and made now, while slots elsewhere are free, not once the holder's queue is longer than
+a cold prefill (in the hot-prefix benchmark at 3 slots that backlog lasted the run: TTFT p50 1.4x
+round robin's; then ~1.05x).  A conversation's turns are each a prefix of their own, asked for
+once: never copied.
+
+With ``warm_copies`` no client makes the copy: the request that shows the demand is ranked again
+as if none were needed (it stays with a holder, unless leaving pays anyway: then it is the copy,
+as without the flag), and its decision carries ``warm`` (``warm_decision``: the copy's replica,
+reason ``warm-copy``, no alternates).  The gateway sends the prompt there with one output token
+(``gateway.warms``) and reports it as a dispatch, so the next decisions see the copy being
+computed (a follower may hold for it) and count its replica as a holder.  A copy that pulls the
+prefix from a holder (``migrate``) costs its request only the pull: no warm.
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+from .types import Decision
+
+
+def warm_decision(copy: Decision) -> Decision:
+    """The prefill-only request that makes the copy ``copy`` chose: no alternates (a warm that
+    fails is not retried elsewhere), and no demand of its own (``top_blocks`` 0)."""
+    scores = dict(copy.scores)
+    scores["top_blocks"] = 0.0
+    scores["hold_ms"] = 0.0
+    return Decision(replica=copy.replica, reason="warm-copy",
+                    predicted_cached_tokens=copy.predicted_cached_tokens, scores=scores)
 
 
 class PrefixDemand:
