@@ -52,6 +52,7 @@ async def check_replica(
             rep.record_engine(int(values.get("running", 0)), int(values.get("waiting", 0)),
                               float(values.get("kv_usage", 0.0)))  # fmt: skip
             rep.kv_tokens = int(values.get("kv_tokens", 0))
+            rep.pull_ms_per_token = values.get("pull_ms_per_token", -1.0)
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.debug("models/metrics of %s failed: %r", rep.id, exc)
         rep.metrics_ok = False

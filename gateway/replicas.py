@@ -15,6 +15,7 @@ class Replica:
         "id", "url", "models", "static_models", "healthy", "draining", "in_flight",
         "running", "waiting", "kv_usage", "failures", "metrics_ok", "removing", "remote_in_flight",
         "others", "others_waiting", "_scraped_others", "_remote_at_scrape", "kv_tokens", "held",
+        "pull_ms_per_token",
     )
 
     def __init__(self, cfg: ReplicaConfig) -> None:
@@ -38,6 +39,7 @@ class Replica:
         self._scraped_others = 0  # ``others`` as the scrape computed it
         self._remote_at_scrape = 0  # ``remote_in_flight`` when it did
         self.kv_tokens = 0  # the engine's prefix-cache size in tokens, as it reports it (0: unknown)
+        self.pull_ms_per_token = -1.0  # KV pulls from a peer, as it advertises them (< 0: none)
 
     def record_engine(self, running: int, waiting: int, kv_usage: float) -> None:
         """The engine's own counts, just scraped.  What the gateways sent is known exactly and
@@ -70,7 +72,7 @@ class Replica:
         waiting = self.others_waiting
         return ReplicaState(  # positional: the fields' order (the cheapest call)
             self.id, self.url, self.healthy, sent, sent + self.others - waiting, waiting,
-            self.kv_usage, self.models, self.draining, self.held,
+            self.kv_usage, self.models, self.draining, self.held, self.pull_ms_per_token,
         )
 
     def to_json(self) -> dict:
@@ -80,6 +82,7 @@ class Replica:
             "held": self.held, "running": self.running, "waiting": self.waiting,
             "kv_usage": self.kv_usage, "consecutive_failures": self.failures, "removing": self.removing,
             "remote_in_flight": self.remote_in_flight,
+            "kv_pull_ms_per_token": self.pull_ms_per_token if self.pull_ms_per_token >= 0 else None,
         }
 
 
@@ -197,6 +200,7 @@ _GAUGES = {
 
 
 _CACHE_INFO = "vllm:cache_config_info"
+PULL_INFO = "kvgate:kv_pull_info"  # an engine that can pull a prefix's KV from a peer says so
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -204,10 +208,16 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
     """Sum the load gauges an engine exposes in Prometheus text (vLLM names), and its KV-cache
     size in tokens (``kv_tokens``: ``block_size`` x ``num_gpu_blocks`` from the labels of
     ``vllm:cache_config_info``, summed over engines; absent when it does not say, or has prefix
-    caching off)."""
+    caching off).  ``pull_ms_per_token``: what its pulls of KV from a peer cost (``kvgate:kv_pull_info``,
+    labels ``kv_bytes_per_token`` and ``link_gbps``; the slowest of its engines); absent when it
+    advertises none."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
+            if line.startswith(PULL_INFO):
+                ms = _pull_ms_per_token(line[len(PULL_INFO) :])
+                if ms >= 0:
+                    out["pull_ms_per_token"] = max(ms, out.get("pull_ms_per_token", 0.0))
             continue
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
         if name_end < 0:
@@ -243,3 +253,21 @@ def _cache_tokens(rest: str) -> int:
         return int(labels["block_size"]) * int(labels["num_gpu_blocks"])
     except (KeyError, ValueError):
         return 0
+
+
+def _pull_ms_per_token(rest: str) -> float:
+    """ms to move one token's KV over the advertised link: ``kv_bytes_per_token`` x 8 bits over
+    ``link_gbps``; -1 when a label is missing or not positive, or the sample's value is 0."""
+    if not rest.startswith("{"):
+        return -1.0
+    close = rest.rfind("}")
+    labels = dict(_LABEL.findall(rest[: close + 1]))
+    try:
+        value = float(rest[close + 1 :].split()[0])
+        per_token = float(labels["kv_bytes_per_token"])
+        gbps = float(labels["link_gbps"])
+    except (KeyError, ValueError, IndexError):
+        return -1.0
+    if value <= 0 or per_token <= 0 or gbps <= 0:
+        return -1.0
+    return per_token * 8 / (gbps * 1e6)

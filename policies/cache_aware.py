@@ -57,11 +57,12 @@ Algorithm (filter -> score -> pick):
   long prefill then holds at the gateway (``Decision.hold_s``) and arrives when the prefix exists,
   instead of recomputing it beside the leader (or cold elsewhere): its TTFT is the leader's
   remaining prefill plus its own suffix, and the engine does the prefix's work once.
-* Migration (``migrate``, off by default).  Let ``top = max_r hit(r)``, held by ``h`` (the least
-  loaded of the replicas holding it).  A replica r with ``top - hit(r) >= migrate_min_tokens`` can
-  pull the difference from h instead of recomputing it::
+* Migration (``migrate``: ``auto`` by default, between replicas whose engines advertise pulls;
+  ``policies.pulls``).  Let ``top = max_r hit(r)``, held by ``h`` (the least loaded of the
+  replicas holding it that can serve a pull).  A replica r that can pull, with ``top - hit(r) >=
+  migrate_min_tokens``, can pull the difference from h instead of recomputing it::
 
-      pull_ms(r) = transfer_overhead_ms + (top - hit(r)) * transfer_ms_per_token
+      pull_ms(r) = transfer_overhead_ms + (top - hit(r)) * max(link(r), link(h))
 
   and when ``pull_ms(r) < (top - hit(r)) * prefill_ms_per_token`` r (if within the load bound)
   gets a second score, ``ttft_pull(r) = queue_ms(r) + (P - top) * prefill_ms_per_token +
@@ -224,7 +225,10 @@ class CacheAware(BasePolicy):
         warm = cuts and any(rid in cuts for rid in ids)
         top = max(hits)
         exempt = top if top and warm else -1  # a copy in flight: its source may exceed the bound
-        holder = self._pulls.holder(ids, loads, hits, top)
+        links = self._pulls.links(replicas)
+        h = self._pulls.holder(loads, hits, top, links)
+        holder = ids[h] if h >= 0 else None
+        hlink = links[h] if h >= 0 else 0.0
         waits = (prefill_waits(self._warming, ids, hashes, matched, cuts, total, tph,
                                p.engine_block_tokens, now)
                  if warm and p.wait_for_prefill else _NONE)  # fmt: skip
@@ -238,7 +242,7 @@ class CacheAware(BasePolicy):
         rooms = self._index.rooms(ids) if evict else [0] * len(ids)
         scored: list[Score] = []
         pulls: list[Score] = []  # the same replicas, pulling from the holder first
-        for r, rid, load, hit, left in zip(replicas, ids, loads, hits, rooms, strict=True):
+        for i, (r, rid, load, hit, left) in enumerate(zip(replicas, ids, loads, hits, rooms, strict=True)):
             waiting = r.waiting
             ahead = load - r.held  # held at the gateway: a request sent now queues before them
             q = ahead * busy if ahead <= free and waiting <= 0 else queue_ms(ahead, waiting, rid, now)
@@ -265,8 +269,8 @@ class CacheAware(BasePolicy):
                                           hold_ms, pen_w)))  # fmt: skip
                     continue
             scored.append(_score((over, ttft + pen, rid, hit, load, 0, 0.0, rid in cuts, 0.0, pen)))
-            if holder is not None and load <= limit:
-                pull, pull_ms = self._pulls.price(top - hit)
+            if holder is not None and load <= limit and links[i] >= 0:
+                pull, pull_ms = self._pulls.price(top - hit, max(links[i], hlink))
                 if pull:
                     have = hit + pull
                     pen = (total - have) * work + spill

@@ -12,6 +12,17 @@ from .scoring import LoadBound, hrw_weight, rendezvous_key, rendezvous_seed
 from .types import RequestFeatures
 from .warming import Warming
 
+_MIGRATE_MODES = {"auto": 1, "true": 2, "on": 2, "yes": 2, "1": 2, "false": 0, "off": 0, "no": 0, "0": 0}
+MIGRATE_OFF, MIGRATE_AUTO, MIGRATE_ALL = 0, 1, 2
+
+
+def migrate_mode(value: str) -> int:
+    """``migrate``'s spelling -> MIGRATE_OFF / MIGRATE_AUTO / MIGRATE_ALL (ValueError if none)."""
+    mode = _MIGRATE_MODES.get(value.strip().lower(), -1)
+    if mode < 0:
+        raise ValueError(f"migrate must be auto, true or false, not {value!r}")
+    return mode
+
 
 @dataclass(frozen=True)
 class CacheAwareParams:
@@ -33,10 +44,11 @@ class CacheAwareParams:
     ms and p99 409 against 48 and 555 with 1).  With them copies cost no client anything and may
     come early: hot-prefix there p50 27 / p99 296 (0.25 with warms) against 43 / 370 (0.5 with
     warms) and round robin's 46 / 328; at 8 slots p99 49 against 108 without warms; shared-prefix
-    at 3 slots p50 105 / p99 454 against 128 / 590 without, the same hit rate.  migrate false,
-    pull_margin_ms 0 (a copy's eviction is priced; see the migration
-    notes in ``policies.cache_aware``), transfer_ms_per_token 0.01
-    (an 8B model's 128 KiB of KV per token at 12.5 GB/s), transfer_overhead_ms 2, migrate_min_tokens
+    at 3 slots p50 105 / p99 454 against 128 / 590 without, the same hit rate.  migrate auto
+    (pull a prefix where the engines advertise they can; ``policies.pulls``), pull_margin_ms 0 (a
+    copy's eviction is priced; see the migration notes in ``policies.cache_aware``),
+    transfer_ms_per_token 0.01 (used with migrate true where an engine advertises no cost)
+    -- an 8B model's 128 KiB of KV per token at 12.5 GB/s --, transfer_overhead_ms 2, migrate_min_tokens
     256, engine_block_tokens 1 (no rounding; set it to the engine's block size -- vLLM's --block-size:
     16 on GPUs by default, 128 on CPUs -- when its blocks are much longer than ``tokens_per_hash``:
     otherwise a shared prefix shorter than one engine block is predicted as cached, reported as 0,
@@ -58,7 +70,7 @@ class CacheAwareParams:
     tie_ms: float = 5.0
     pull_margin_ms: float = 0.0
     learn_capacity: bool = True
-    migrate: bool = False
+    migrate: str = "auto"  # auto | true | false (policies.pulls)
     transfer_ms_per_token: float = 0.01
     transfer_overhead_ms: float = 2.0
     migrate_min_tokens: int = 256
@@ -85,6 +97,7 @@ class CacheAwareParams:
             raise ValueError("transfer costs must be >= 0")
         if not 0.0 <= self.service_alpha <= 1.0:
             raise ValueError("service_alpha must be in [0, 1]")
+        migrate_mode(self.migrate)
         if self.migrate_min_tokens < 1:
             raise ValueError("migrate_min_tokens must be >= 1")
         if self.engine_block_tokens < 1:

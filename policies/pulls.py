@@ -1,12 +1,17 @@
 """What pulling a prefix from a peer costs, for ``cache_aware``'s migration (see its header):
-which replica to pull from, the transfer priced by the configured link, plus what pulls were
-seen to take beyond their predicted time to first token (the receiver asking the holder first,
-on a busy link: in the multi-turn benchmark at 3 slots a median 8 ms, and a pull saving less
-than that raised the TTFT p50)."""
+which replicas may pull and from which holder, the transfer priced by the link, plus what pulls
+were seen to take beyond their predicted time to first token (the receiver asking the holder
+first, on a busy link: in the multi-turn benchmark at 3 slots a median 8 ms, and a pull saving
+less than that raised the TTFT p50).
+
+Who can pull (``migrate``): ``auto`` (the default) only replicas whose engines advertise it
+(``ReplicaState.pull_ms_per_token`` >= 0, scraped from ``kvgate:kv_pull_info``), each priced at
+the slower end of its link with the holder; ``true`` every replica, priced as advertised or,
+where nothing is, by ``transfer_ms_per_token``; ``false`` none."""
 
 from __future__ import annotations
 
-from .cache_aware_scores import CacheAwareParams
+from .cache_aware_scores import MIGRATE_ALL, MIGRATE_AUTO, CacheAwareParams, migrate_mode
 from .types import Outcome
 
 _MAX_PULLING = 4096  # pulls in flight tracked for learning their cost (more are not learned from)
@@ -16,27 +21,41 @@ _CLIP_MS = 50.0  # a residual beyond this is a mispredicted queue, not the pull'
 class PullCost:
     """The holder to pull from and the price of a pull, learning the price's overhead."""
 
-    __slots__ = ("_p", "_extra_ms", "_pulling")
+    __slots__ = ("_p", "_mode", "_extra_ms", "_pulling")
 
     def __init__(self, params: CacheAwareParams) -> None:
         self._p = params
+        self._mode = migrate_mode(params.migrate)
         self._extra_ms = 0.0  # EWMA: what a pull took beyond its predicted TTFT
         self._pulling: dict[int, float] = {}  # a pull's key -> its predicted TTFT, while it runs
 
-    def holder(self, ids: list[str], loads: list[int], hits: list[int], top: int) -> str | None:
-        """The least loaded replica with the longest hit, when migration is on and it matters."""
-        if not self._p.migrate or top < self._p.migrate_min_tokens:
-            return None
-        i = min((i for i, h in enumerate(hits) if h == top), key=loads.__getitem__)
-        return ids[i]
+    def links(self, replicas: list) -> list[float]:
+        """Each replica's pull cost in ms per token (below 0: it cannot pull or serve a pull)."""
+        if self._mode == MIGRATE_AUTO:
+            return [r.pull_ms_per_token for r in replicas]
+        if self._mode == MIGRATE_ALL:
+            default = self._p.transfer_ms_per_token
+            return [r.pull_ms_per_token if r.pull_ms_per_token >= 0 else default for r in replicas]
+        return []
 
-    def price(self, missing: int) -> tuple[int, float]:
-        """(tokens to pull, transfer ms) for a replica ``missing`` tokens short of the holder;
-        (0, 0.0) when a pull would not beat recomputing them."""
+    def holder(self, loads: list[int], hits: list[int], top: int, links: list[float]) -> int:
+        """The index of the least loaded replica with the longest hit that can serve a pull,
+        when migration is on and it matters; -1 when none."""
+        if not links or top < self._p.migrate_min_tokens:
+            return -1
+        best = -1
+        for i, h in enumerate(hits):
+            if h == top and links[i] >= 0 and (best < 0 or loads[i] < loads[best]):
+                best = i
+        return best
+
+    def price(self, missing: int, ms_per_token: float) -> tuple[int, float]:
+        """(tokens to pull, transfer ms) for a replica ``missing`` tokens short of the holder
+        over a link of ``ms_per_token``; (0, 0.0) when a pull would not beat recomputing them."""
         p = self._p
         if missing < p.migrate_min_tokens:
             return 0, 0.0
-        ms = p.transfer_overhead_ms + self._extra_ms + missing * p.transfer_ms_per_token
+        ms = p.transfer_overhead_ms + self._extra_ms + missing * ms_per_token
         return (missing, ms) if ms < missing * p.prefill_ms_per_token else (0, 0.0)
 
     def started(self, key: int, predicted_ms: float) -> None:

@@ -75,6 +75,8 @@ def _convert(value: Any, typ: Any, where: str) -> Any:
             raise PolicyConfigError(f"{where}: expected an integer, got {value!r}")
         return converted
     if typ is str:
+        if isinstance(value, bool):  # YAML's unquoted true/false/on/off for a word-valued param
+            return "true" if value else "false"
         if not isinstance(value, str):
             raise PolicyConfigError(f"{where}: expected a string, got {value!r}")
         return value

@@ -13,7 +13,9 @@ class ReplicaState(NamedTuple):
     ``waiting`` are the engine's own numbers scraped from its /metrics (0 when unknown);
     ``kv_usage`` is the engine's KV-cache utilisation in [0, 1].  ``held`` of the ``in_flight``
     wait at the gateway for a prefill they follow: the replica will have them, but a request sent
-    now queues ahead of them.  A named tuple rather than a
+    now queues ahead of them.  ``pull_ms_per_token``: what pulling a token's KV from a peer costs
+    this replica, as its engine advertises it (``kvgate:kv_pull_info``); below 0 when it
+    advertises nothing (it cannot pull, or nobody knows).  A named tuple rather than a
     frozen dataclass: the gateway builds one per replica per request, and a tuple is built in a
     third of the time.
     """
@@ -28,6 +30,7 @@ class ReplicaState(NamedTuple):
     models: frozenset[str] = frozenset()
     draining: bool = False
     held: int = 0  # of ``in_flight``: held at a gateway (``Decision.hold_s``), not sent yet
+    pull_ms_per_token: float = -1.0  # advertised KV pull cost, ms per token (< 0: none)
 
     @property
     def load(self) -> int:

@@ -24,6 +24,7 @@ PARAMS = (
     {"max_running": 8, "engine_block_tokens": 16, "spill_when_full": True},
     {"max_running": 4, "replicate_util": 1.0, "tie_ms": 20},
     {"max_running": 3, "replicate_util": 0.05, "warm_copies": True, "load_slack": 8},
+    {"max_running": 3, "migrate": "auto", "migrate_min_tokens": 32, "replicate_util": 0.05},
 )
 
 
@@ -52,6 +53,7 @@ def replay(seed: int, params: dict, steps: int = 400) -> list[list]:
     base = [tuple(rng.getrandbits(64) for _ in range(rng.randint(4, 40))) for _ in range(3)]
     docs = [b + tuple(rng.getrandbits(64) for _ in range(rng.randint(0, 30))) for b in base for _ in range(4)]
     ids = [f"r{i}" for i in range(6)]
+    links = {rid: rng.choice((-1.0, 0.005, 0.01, 0.03)) for rid in ids}  # advertised pull costs
     open_: list = []
     out = []
     for k in range(steps):
@@ -59,7 +61,7 @@ def replay(seed: int, params: dict, steps: int = 400) -> list[list]:
         view = ClusterView(tuple(
             ReplicaState(rid, in_flight=rng.randint(0, 9), running=rng.randint(0, 6),
                          waiting=rng.choice((0, 0, 0, 2)), held=rng.choice((0, 0, 1)),
-                         healthy=rng.random() > 0.03)
+                         healthy=rng.random() > 0.03, pull_ms_per_token=links[rid])
             for rid in ids))  # fmt: skip
         if not any(r.healthy for r in view.replicas):
             continue

@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import orjson
+import pytest
 
 from gateway.kvhints import pull_hint_body
 from gateway.sim.config import SimConfig
@@ -44,14 +45,12 @@ def test_pull_hint_body_merges_into_kv_transfer_params():
     assert pull_hint_body({"model": "m"}, Decision("b", pull_from="b"), pool) is None  # itself
 
 
-async def test_spill_from_a_busy_holder_pulls_the_prefix():
-    params = dict(
-        migrate=True, max_running=1, avg_output_tokens=100, decode_ms_per_token=20, prefill_ms_per_token=0.2,
-        migrate_min_tokens=64, load_slack=100,
-    )  # fmt: skip
-    sim = SimConfig(prefill_s_per_token=0.0002, decode_s_per_token=0.0)
+async def spill_from_a_busy_holder(params: dict, sim: SimConfig):
+    """A first request, then its holder kept busy by a request that never ends, then the same
+    prefix again: (first, spill) responses, and the replicas as ``/admin/replicas`` had them."""
     async with running_topology(2, sim, policy="cache_aware", policy_params=params) as topo:
         async with httpx.AsyncClient(base_url=topo.base_url, timeout=10) as c:
+            reps = (await c.get("/admin/replicas")).json()["replicas"]
             first = await c.post(CHAT, json=body("first?"))
             holder = first.headers["x-kvgate-replica"]
             holder_url = next(u for u in topo.replica_urls if holder in u)
@@ -60,14 +59,42 @@ async def test_spill_from_a_busy_holder_pulls_the_prefix():
             # a long answer (10 s predicted) that never ends: the holder is busy
             busy = asyncio.create_task(c.post(CHAT, json=body("first?", max_tokens=500)))
             for _ in range(500):  # until the gateway counts the hanging request in flight
-                reps = (await c.get("/admin/replicas")).json()["replicas"]
-                if {r["id"]: r["in_flight"] for r in reps}[holder] == 1:
+                now = (await c.get("/admin/replicas")).json()["replicas"]
+                if {r["id"]: r["in_flight"] for r in now}[holder] == 1:
                     break
             spill = await c.post(CHAT, json=body("second?"))
             busy.cancel()
     assert first.status_code == 200 and spill.status_code == 200
     assert spill.headers["x-kvgate-replica"] != holder
+    return first, spill, reps
+
+
+SPILL = dict(max_running=1, avg_output_tokens=100, decode_ms_per_token=20, prefill_ms_per_token=0.2,
+             migrate_min_tokens=64, load_slack=100)  # fmt: skip
+SIM = dict(prefill_s_per_token=0.0002, decode_s_per_token=0.0)
+
+
+async def test_spill_from_a_busy_holder_pulls_the_prefix():
+    # migrate=true: every replica pulls; these advertise their link too, so it prices them
+    _, spill, _ = await spill_from_a_busy_holder({**SPILL, "migrate": True}, SimConfig(**SIM))
     assert spill.headers["x-kvgate-reason"] == "migrate"
     pulled = int(spill.headers["x-sim-pulled-tokens"])
     assert pulled > 0
     assert spill.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == pulled
+
+
+async def test_by_default_pulls_go_only_to_replicas_that_advertise_them():
+    # the simulator advertises kvgate:kv_pull_info (128 KiB a token over 100 Gbit/s): auto pulls
+    _, spill, reps = await spill_from_a_busy_holder(SPILL, SimConfig(**SIM))
+    assert [r["kv_pull_ms_per_token"] for r in reps] == [pytest.approx(131072 * 8 / 100e9 * 1e3)] * 2
+    assert spill.headers["x-kvgate-reason"] == "migrate"
+    assert int(spill.headers["x-sim-pulled-tokens"]) > 0
+
+
+async def test_without_advertised_pulls_the_default_recomputes():
+    # replicas that cannot pull (no link): the same spill computes the prefix, no hint is sent
+    _, spill, reps = await spill_from_a_busy_holder(SPILL, SimConfig(**SIM, kv_bandwidth_gbps=0))
+    assert [r["kv_pull_ms_per_token"] for r in reps] == [None, None]
+    assert spill.headers["x-kvgate-reason"] != "migrate"
+    assert "x-sim-pulled-tokens" not in spill.headers
+    assert spill.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

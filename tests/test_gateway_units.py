@@ -157,6 +157,19 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching=
     assert "kv_tokens" not in parse_engine_metrics('vllm:cache_config_info{num_gpu_blocks="x",block_size="16"} 1.0')
 
 
+def test_parse_engine_metrics_reads_an_advertised_kv_pull_link():
+    line = 'kvgate:kv_pull_info{kv_bytes_per_token="131072",link_gbps="100"} 1.0\n'
+    assert parse_engine_metrics(line) == {"pull_ms_per_token": pytest.approx(131072 * 8 / 100e9 * 1e3)}
+    slow = 'kvgate:kv_pull_info{kv_bytes_per_token="131072",link_gbps="25"} 1.0\n'
+    assert parse_engine_metrics(line + slow)["pull_ms_per_token"] == pytest.approx(131072 * 8 / 25e9 * 1e3)
+    for bad in ('kvgate:kv_pull_info{kv_bytes_per_token="131072",link_gbps="100"} 0.0',  # off
+                'kvgate:kv_pull_info{kv_bytes_per_token="131072"} 1.0',  # no link
+                'kvgate:kv_pull_info{kv_bytes_per_token="x",link_gbps="100"} 1.0',
+                'kvgate:kv_pull_info{kv_bytes_per_token="131072",link_gbps="0"} 1.0',
+                'kvgate:kv_pull_info 1.0'):  # fmt: skip
+        assert parse_engine_metrics(bad) == {}
+
+
 def test_capacities_follow_what_each_engine_reports_and_reapply_only_on_a_real_change():
     index = PrefixIndex()
     pool = ReplicaPool([ReplicaConfig("http://a:1", models=("m",)), ReplicaConfig("http://b:1")])

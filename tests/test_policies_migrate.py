@@ -59,6 +59,47 @@ def test_spill_pulls_from_the_overloaded_holder():
     assert d.alternates[0] == "r2"  # also a cheap pull, but 3 requests busier
 
 
+def linked(loads: tuple[int, ...], links: tuple[float, ...]) -> ClusterView:
+    """Replicas whose engines advertise a pull cost (ms per token; < 0: none)."""
+    return ClusterView(tuple(ReplicaState(f"r{i}", in_flight=x, pull_ms_per_token=ms)
+                             for i, (x, ms) in enumerate(zip(loads, links, strict=True))))  # fmt: skip
+
+
+def test_auto_pulls_only_between_replicas_that_advertise_pulls():
+    pol, _ = build(load_slack=100)  # migrate=auto, the default
+    req = feat(doc("a", 101))
+    d = pol.select(req, linked((12, 0, 3), (0.01, 0.01, 0.01)))
+    assert d.replica == "r1" and d.reason == "migrate" and d.pull_from == "r0"
+    assert d.scores["pull_ms"] == pytest.approx(2.0 + 100 * TPH * 0.01)
+    # r1 advertises nothing: r2 (3 busier, but it can pull) gets the pull
+    d = pol.select(req, linked((12, 0, 3), (0.01, -1, 0.01)))
+    assert d.replica == "r2" and d.pull_from == "r0"
+    # the holder cannot serve a pull: nobody pulls, the spill recomputes
+    d = pol.select(req, linked((12, 0, 3), (-1, 0.01, 0.01)))
+    assert d.pull_from is None and d.reason == "load-fallback"
+
+
+def test_a_pull_is_priced_at_the_slower_end_of_its_link():
+    pol, _ = build(load_slack=100)
+    d = pol.select(feat(doc("a", 101)), linked((12, 0), (0.03, 0.01)))  # the holder's side: 0.03
+    assert d.replica == "r1" and d.scores["pull_ms"] == pytest.approx(2.0 + 100 * TPH * 0.03)
+
+
+@pytest.mark.parametrize("value", [False, "false", "off"])
+def test_migrate_false_never_pulls_even_when_advertised(value):
+    pol, _ = build(load_slack=100, migrate=value)
+    d = pol.select(feat(doc("a", 101)), linked((12, 0, 0), (0.01, 0.01, 0.01)))
+    assert d.pull_from is None and d.reason == "load-fallback"
+
+
+def test_migrate_true_prices_an_advertised_link_and_defaults_the_rest():
+    pol, _ = build(load_slack=100, migrate=True, transfer_ms_per_token=0.02)
+    d = pol.select(feat(doc("a", 101)), linked((12, 0), (-1, 0.005)))  # holder: default 0.02
+    assert d.replica == "r1" and d.scores["pull_ms"] == pytest.approx(2.0 + 100 * TPH * 0.02)
+    d = pol.select(feat(doc("a", 101)), linked((12, 0), (0.005, 0.001)))
+    assert d.scores["pull_ms"] == pytest.approx(2.0 + 100 * TPH * 0.005)
+
+
 def test_transfer_cost_makes_a_non_holder_win_where_recompute_would_lose():
     # r0 has 5 requests ahead (400 ms of queue); recomputing 6400 tokens costs 640 ms elsewhere
     off, _ = build(load_slack=100)

@@ -112,6 +112,18 @@ def test_params_from_strings_are_coerced() -> None:
     assert (p.tie_ms, p.learn_capacity, p.max_running) == (50.0, False, 32)
 
 
+def test_migrate_takes_a_word_or_a_yaml_boolean() -> None:
+    reg = default_registry()
+    assert reg.parse_params("cache_aware", {}).migrate == "auto"
+    assert reg.parse_params("cache_aware", {"migrate": True}).migrate == "true"  # YAML's true
+    assert reg.parse_params("cache_aware", {"migrate": False}).migrate == "false"
+    assert reg.parse_params("cache_aware", {"migrate": "Off"}).migrate == "Off"
+    with pytest.raises(PolicyConfigError, match="migrate must be auto, true or false"):
+        reg.parse_params("cache_aware", {"migrate": "sometimes"})
+    with pytest.raises(PolicyConfigError, match="expected a string"):
+        reg.parse_params("cache_aware", {"migrate": 1})
+
+
 def test_policies_share_the_deps_they_are_given() -> None:
     deps = PolicyDeps()
     reg = default_registry()

@@ -3,9 +3,10 @@
 One run: for each workload, start simulated replicas (cache per replica = ``--cache-fraction`` of
 the workload's distinct prefix blocks), then for each target start the router, warm it up, reset
 the replicas' caches and counters, replay the workload's script (the same arrivals for everyone),
-and stop it.  Targets: every kvgate policy, ``kvgate/cache_aware+migrate`` (cache_aware with
-``migrate=true``: a spill pulls the holder's KV blocks, priced from the replicas' transfer knobs
-``--kv-bandwidth-gbps`` / ``--kv-block-bytes``), ``sglang-router`` (cache_aware), ``vllm-router``
+and stop it.  Targets: every kvgate policy (``cache_aware`` with its default ``migrate=auto``: the
+simulated replicas advertise KV pulls from peers, ``--kv-bandwidth-gbps`` / ``--kv-block-bytes``,
+so a spill may pull the holder's blocks), ``kvgate/cache_aware+migrate=false`` (the same without
+pulls, as in front of engines that cannot pull), ``sglang-router`` (cache_aware), ``vllm-router``
 (cache_aware, consistent_hash, sticky_least_loaded) when installed, and an oracle that hashes the
 group/session straight to a replica (the best reachable hit rate with perfect affinity).
 """
@@ -33,8 +34,7 @@ from .tables import markdown_table, replace_block
 from .workloads import WORKLOADS, BenchRequest, Workload, footprint
 
 KVGATE_POLICIES = ("round_robin", "least_load", "session", "prefix", "cache_aware")
-MIGRATE = "kvgate/cache_aware+migrate"
-SIM_BLOCK_TOKENS = 16
+NO_PULL = "kvgate/cache_aware+migrate=false"  # cache_aware where the engines cannot pull
 PEERS = {
     "sglang-router/cache_aware": ("sglang-router", "cache_aware"),
     "vllm-router/cache_aware": ("vllm-router", "cache_aware"),
@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def target_names(requested: str, *, need_peers: bool = False) -> list[str]:
     """The targets to run.  ``all`` leaves out the peer routers that are not installed, with a
     warning on stderr, or (``need_peers``: a table for the README) refuses to run without them."""
-    names = [f"kvgate/{p}" for p in KVGATE_POLICIES] + [MIGRATE]
+    names = [f"kvgate/{p}" for p in KVGATE_POLICIES] + [NO_PULL]
     tools = {tool for tool, _ in PEERS.values()}
     found = {tool for tool in tools if find_peer(tool)}
     names += [n for n, (tool, _) in PEERS.items() if tool in found]
@@ -126,12 +126,8 @@ def router_proc(name: str, urls: list[str], port: int, sim_args: dict) -> Proc |
             argv += ["--policy-param", f"prefill_ms_per_token={sim_args['prefill_ms_per_token']}",
                      "--policy-param", f"decode_ms_per_token={sim_args['decode_ms_per_token']}",
                      "--policy-param", f"max_running={sim_args['max_running']}"]
-        if name == MIGRATE:  # price a pull as the replicas will: bytes per token over the link
-            per_token = sim_args["kv_block_bytes"] / SIM_BLOCK_TOKENS
-            ms = per_token / (sim_args["kv_bandwidth_gbps"] * 1e9 / 8) * 1000
-            argv += ["--policy-param", "migrate=true",
-                     "--policy-param", f"transfer_ms_per_token={ms:.6f}",
-                     "--policy-param", "transfer_overhead_ms=2"]
+        if name == NO_PULL:  # the replicas advertise pulls (kvgate:kv_pull_info): ignore them
+            argv += ["--policy-param", "migrate=false"]
         return Proc(name.replace("/", "_"), argv, ready)
     tool, policy = PEERS[name]
     make = sglang_router_proc if tool == "sglang-router" else vllm_router_proc

@@ -1,6 +1,7 @@
 """The simulated replica's /metrics page: Prometheus text with vLLM's metric names, as
 prometheus_client writes it (load gauges, prefix-cache counters, and the cache size as the labels
-of ``vllm:cache_config_info``)."""
+of ``vllm:cache_config_info``), and ``kvgate:kv_pull_info`` when it pulls KV from peers (the
+gateway's ``migrate=auto`` uses pulls only towards replicas that say so)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ def metrics_text(engine: SimEngine) -> bytes:
         f'vllm:cache_config_info{{block_size="{cfg.block_size}",enable_prefix_caching='
         f'"{cfg.cache_blocks > 0}",engine="0",num_gpu_blocks="{cfg.cache_blocks}"}} 1.0\n'
     )
+    if cfg.kv_bandwidth_gbps > 0 and cfg.kv_block_bytes > 0:  # it pulls KV from peers
+        out.append(
+            "# HELP kvgate:kv_pull_info KV pulls from a peer (kv_transfer_params.kvgate_pull_from)\n"
+            "# TYPE kvgate:kv_pull_info gauge\n"
+            f'kvgate:kv_pull_info{{kv_bytes_per_token="{cfg.kv_block_bytes / cfg.block_size:g}",'
+            f'link_gbps="{cfg.kv_bandwidth_gbps:g}"}} 1.0\n'
+        )
     return "".join(out).encode()
 
 
