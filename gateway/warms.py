@@ -3,7 +3,8 @@
 A policy that decides a prefix needs another copy (``cache_aware`` with ``warm_copies``) keeps
 the request that triggered it with a replica holding the prefix and sets ``Decision.warm``: the
 replica that should get the copy.  ``Warmer.start`` sends it there as a request of its own --
-the client's body with one output token, not streamed -- in the background:
+the client's body with one output token, not streamed, with the decision's pull hint when the
+copy is pulled from a holder (``kv_transfer_params``) -- in the background:
 
 * reported to the policy as a dispatch at once (``on_dispatch`` with the warm decision, before
   any other request is decided), so the next decisions see the copy being computed (a follower
@@ -31,6 +32,7 @@ from policies.types import ClusterView, Decision, Outcome, RequestFeatures
 from . import fastclient as fc
 from .features import CHAT, COMPLETION, ParsedRequest
 from .holds import PrefillHolds
+from .kvhints import pull_hint_body
 from .replicas import ReplicaPool
 from .upstream import UpstreamClient
 from .wire import cached_tokens, usage_from_json
@@ -94,7 +96,8 @@ class Warmer:
         usage = None
         outcome = "error"
         try:
-            body = orjson.dumps(warm_body(parsed.kind, parsed.body))
+            plain = warm_body(parsed.kind, parsed.body)
+            body = pull_hint_body(plain, warm, self.pool) or orjson.dumps(plain)
             resp = await self.client.request("POST", url, path, headers, body)
             try:
                 data = await resp.aread()

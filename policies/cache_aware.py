@@ -193,12 +193,11 @@ class CacheAware(BasePolicy):
         top_blocks = max(matched.values()) if matched else 0
         copy = bool(top_blocks) and self._needs_copy(req, ids, matched, top_blocks, now)
         decision = self._rank(req, replicas, ids, loads, matched, top_blocks, copy, now)
-        if (copy and self._p.warm_copies and not decision.pull_tokens
-                and matched.get(decision.replica, 0) < top_blocks):  # fmt: skip
-            # The copy is made by a prefill of its own (the gateway sends ``warm``), so the
-            # request itself is ranked as if no copy were needed: it stays with a holder
-            # unless leaving pays anyway, in which case it makes the copy (no warm needed).
-            # A copy that pulls the prefix from a holder is cheap: the request makes it.
+        if copy and self._p.warm_copies and matched.get(decision.replica, 0) < top_blocks:
+            # The copy is made by a request of its own (the gateway sends ``warm``: a prefill,
+            # or a pull from the holder the copy's decision names), so the request itself is
+            # ranked as if no copy were needed: it stays with a holder unless leaving pays
+            # anyway, in which case it makes the copy (no warm needed).
             stay = self._rank(req, replicas, ids, loads, matched, top_blocks, False, now)
             if matched.get(stay.replica, 0) >= top_blocks and not stay.pull_tokens:
                 stay.warm = warm_decision(decision)

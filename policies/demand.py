@@ -38,7 +38,8 @@ as without the flag), and its decision carries ``warm`` (``warm_decision``: the 
 reason ``warm-copy``, no alternates).  The gateway sends the prompt there with one output token
 (``gateway.warms``) and reports it as a dispatch, so the next decisions see the copy being
 computed (a follower may hold for it) and count its replica as a holder.  A copy that pulls the
-prefix from a holder (``migrate``) costs its request only the pull: no warm.
+prefix from a holder (``migrate``) is a warm too, carrying the pull: no client waits for the
+transfer either.
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ from .types import Decision
 
 
 def warm_decision(copy: Decision) -> Decision:
-    """The prefill-only request that makes the copy ``copy`` chose: no alternates (a warm that
-    fails is not retried elsewhere), and no demand of its own (``top_blocks`` 0)."""
+    """The prefill-only request that makes the copy ``copy`` chose (pulling the prefix from a
+    holder where that decision pulls): no alternates (a warm that fails is not retried
+    elsewhere), and no demand of its own (``top_blocks`` 0)."""
     scores = dict(copy.scores)
     scores["top_blocks"] = 0.0
     scores["hold_ms"] = 0.0
     return Decision(replica=copy.replica, reason="warm-copy",
-                    predicted_cached_tokens=copy.predicted_cached_tokens, scores=scores)
+                    predicted_cached_tokens=copy.predicted_cached_tokens, scores=scores,
+                    pull_from=copy.pull_from, pull_tokens=copy.pull_tokens)
 
 
 class PrefixDemand:

@@ -98,6 +98,27 @@ async def test_the_request_that_shows_demand_stays_and_a_warm_copies_the_prefix(
     assert 'reason="warm-copy"' not in metrics  # a warm is no client decision
 
 
+async def test_a_warm_pulls_the_prefix_where_the_replicas_advertise_pulls() -> None:
+    """The simulated replicas advertise KV pulls (migrate=auto): the copy's warm carries the pull
+    hint, and the other replica pulls the document from the holder instead of computing it."""
+    sim = SimConfig(prefill_s_per_token=0.0002, decode_s_per_token=0.0)  # pulling beats computing
+    async with running_topology(2, sim, policy_params={**PARAMS, "migrate_min_tokens": 64}) as topo:
+        async with httpx.AsyncClient(timeout=10) as c:
+            replies = [await c.post(topo.base_url + "/v1/chat/completions", json=body(f"q{i}?"))
+                       for i in range(6)]  # fmt: skip
+            await asyncio.gather(*topo.gateway.state.proxy.warms.tasks)
+            holder = replies[0].headers["x-kvgate-replica"]
+            states = {u.split("://", 1)[1]: (await c.get(u + "/sim/state")).json() for u in topo.replica_urls}
+            metrics = (await c.get(topo.base_url + "/metrics")).text
+    other = next(rid for rid in states if rid != holder)
+    assert {r.headers["x-kvgate-replica"] for r in replies} == {holder}
+    assert all("x-sim-pulled-tokens" not in r.headers for r in replies)  # no client pulled
+    assert _warms(metrics) == {(other, "ok"): 1.0}
+    assert states[other]["requests_served"] == 1 and states[other]["kv_pulls"] == 1
+    assert states[other]["kv_pulled_tokens"] >= 240  # the document, from the holder
+    assert states[holder]["kv_lookups"] == 1  # asked what it holds, by the puller
+
+
 async def test_a_failed_warm_is_forgotten_and_the_next_request_asks_for_the_copy_again() -> None:
     """The replica meant for the copy answers 503: the warm is not retried elsewhere, the client
     never sees it, and the index forgets the copy (it was never computed), so the next request

@@ -186,9 +186,10 @@ def test_with_warm_copies_the_request_stays_and_a_prefill_of_its_own_makes_the_c
     assert placed[4] == copy.replica
 
 
-def test_a_copy_that_can_pull_the_prefix_is_made_by_its_request_without_a_warm(deps) -> None:
+def test_a_copy_that_can_pull_the_prefix_is_made_by_a_warm_that_pulls(deps) -> None:
     """With ``migrate`` a copy pulls the document from its holder (a few ms, not a cold
-    prefill): the request sent there makes it itself, and no warm is sent."""
+    prefill), and a warm makes it: the requests stay with the holder until the copy exists, and
+    the warm carries the pull."""
     pol = build(deps, max_running=3, decode_ms_per_token=10, busy_ms_per_request=0, migrate=True)
     deps.index.insert("r0", doc("hot", 100))
     reqs = [_hot(i) for i in range(5)]
@@ -196,6 +197,23 @@ def test_a_copy_that_can_pull_the_prefix_is_made_by_its_request_without_a_warm(d
     for i, req in enumerate(reqs):
         deps.clock.t = i * 0.05  # type: ignore[attr-defined]
         decisions.append(route(pol, req, view(*[sum(d.replica == f"r{k}" for d in decisions) for k in range(4)])))
-    moved = [d for d in decisions if d.replica != "r0"]
-    assert moved and all(d.pull_from not in (None, d.replica) for d in moved)  # each pulled a copy
-    assert not any(d.warm for d in decisions)
+    warms = [d.warm for d in decisions if d.warm]
+    assert warms and all(w.pull_from not in (None, w.replica) and w.pull_tokens >= 99 * TPH
+                         for w in warms)  # fmt: skip
+    assert all(w.reason == "warm-copy" and not w.alternates for w in warms)
+    for d in decisions:
+        if d.warm:  # the request that showed the demand stays with a holder, and pulls nothing
+            assert d.predicted_cached_tokens >= 100 * TPH and d.pull_from is None
+            assert d.replica != d.warm.replica
+    # without warm copies the request itself pulls, as before
+    deps2 = PolicyDeps(clock=FakeClock(), index=PrefixIndex())
+    pol2 = build(deps2, max_running=3, decode_ms_per_token=10, busy_ms_per_request=0, migrate=True,
+                 warm_copies=False)  # fmt: skip
+    deps2.index.insert("r0", doc("hot", 100))
+    plain = []
+    for i, req in enumerate(reqs):
+        deps2.clock.t = i * 0.05  # type: ignore[attr-defined]
+        plain.append(route(pol2, req, view(*[sum(d.replica == f"r{k}" for d in plain) for k in range(4)])))
+    moved = [d for d in plain if d.replica != "r0"]
+    assert moved and all(d.pull_from not in (None, d.replica) for d in moved)
+    assert not any(d.warm for d in plain)
