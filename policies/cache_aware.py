@@ -57,30 +57,9 @@ Algorithm (filter -> score -> pick):
   long prefill then holds at the gateway (``Decision.hold_s``) and arrives when the prefix exists,
   instead of recomputing it beside the leader (or cold elsewhere): its TTFT is the leader's
   remaining prefill plus its own suffix, and the engine does the prefix's work once.
-* Migration (``migrate``: ``auto`` by default, between replicas whose engines advertise pulls;
-  ``policies.pulls``).  Let ``top = max_r hit(r)``, held by ``h`` (the least loaded of the
-  replicas holding it that can serve a pull).  A replica r that can pull, with ``top - hit(r) >=
-  migrate_min_tokens``, can pull the difference from h instead of recomputing it::
-
-      pull_ms(r) = transfer_overhead_ms + (top - hit(r)) * max(link(r), link(h))
-
-  and when ``pull_ms(r) < (top - hit(r)) * prefill_ms_per_token`` r (if within the load bound)
-  gets a second score, ``ttft_pull(r) = queue_ms(r) + (P - top) * prefill_ms_per_token +
-  pull_ms(r)`` (plus the ranking's penalty, as every score: the recompute of ``P - top`` and
-  the blocks the copy pushes out of r's cache, priced by ``evict_weight``).  If ``min ttft_pull``
-  is below every plain score (over the bound excluded) and either ``min ttft_pull + tie_ms +
-  pull_margin_ms`` is below the scores of the replicas holding ``top`` or a replica without it
-  wins by more than ``tie_ms`` anyway (a move without the pull copies as much into the
-  receiver's cache and computes the rest), the pick is made among the pull scores within
-  ``tie_ms`` of their minimum, else exactly as without migration.  ``pull_margin_ms`` (0 by
-  default) is what a copy must save beyond that price: before the eviction was priced, a margin
-  of 100 ms kept prefixes from spreading to every replica (18 points of hit rate in the
-  shared-prefix benchmark); priced, a margin of 0 loses about a point of hits there and cuts
-  TTFT p50 and p99 by 40-50% at a load that queues (3 slots, two rounds against 100 ms).  So when h's queue exceeds about ``pull_ms`` (long before
-  it exceeds a full recompute) a cheap-transfer replica takes the request at about h's hit; the
-  decision then carries ``pull_from = h`` and ``pull_tokens = top - hit(r)`` (the gateway passes
-  them on as ``kv_transfer_params``) and predicts ``top`` cached tokens.  What pulls really take
-  beyond their prediction is learned and added to ``transfer_overhead_ms`` (``policies.pulls``).
+* Migration (``migrate``: ``auto`` by default, between replicas whose engines advertise pulls):
+  a replica short of the longest hit may pull the difference from its holder instead of
+  recomputing it, scored a second time with the pull's price; ``policies.pulls`` has the rule.
 * Bounded load (Mirrokni et al.): replicas with ``load > load_factor * mean_load + load_slack`` are
   set aside unless all are (the least loaded never is).  This stops a hot prefix from herding.
   With ``spill_when_full`` (off by default) the bound is tighter: a replica where requests
@@ -192,20 +171,22 @@ class CacheAware(BasePolicy):
         loads = [max(r.in_flight, r.running + r.waiting) for r in replicas]  # ReplicaState.load
         top_blocks = max(matched.values()) if matched else 0
         copy = bool(top_blocks) and self._needs_copy(req, ids, matched, top_blocks, now)
-        decision = self._rank(req, replicas, ids, loads, matched, top_blocks, copy, now)
+        links = self._pulls.links(replicas)  # pull cost per replica ([]: migration off)
+        decision = self._rank(req, replicas, ids, loads, matched, top_blocks, copy, links, now)
         if copy and self._p.warm_copies and matched.get(decision.replica, 0) < top_blocks:
             # The copy is made by a request of its own (the gateway sends ``warm``: a prefill,
             # or a pull from the holder the copy's decision names), so the request itself is
             # ranked as if no copy were needed: it stays with a holder unless leaving pays
             # anyway, in which case it makes the copy (no warm needed).
-            stay = self._rank(req, replicas, ids, loads, matched, top_blocks, False, now)
+            stay = self._rank(req, replicas, ids, loads, matched, top_blocks, False, links, now)
             if matched.get(stay.replica, 0) >= top_blocks and not stay.pull_tokens:
                 stay.warm = warm_decision(decision)
                 return stay
         return decision
 
     def _rank(self, req: RequestFeatures, replicas: list, ids: list[str], loads: list[int],
-              matched: dict[str, int], top_blocks: int, copy: bool, now: float) -> Decision:
+              matched: dict[str, int], top_blocks: int, copy: bool, links: list[float],
+              now: float) -> Decision:
         """Score every replica (``copy``: the prefix needs another copy, see the header) and
         decide."""
         p = self._p
@@ -224,7 +205,6 @@ class CacheAware(BasePolicy):
         warm = cuts and any(rid in cuts for rid in ids)
         top = max(hits)
         exempt = top if top and warm else -1  # a copy in flight: its source may exceed the bound
-        links = self._pulls.links(replicas)
         h = self._pulls.holder(loads, hits, top, links)
         holder = ids[h] if h >= 0 else None
         hlink = links[h] if h >= 0 else 0.0

@@ -46,7 +46,7 @@ class CacheAwareParams:
     warms) and round robin's 46 / 328; at 8 slots p99 49 against 108 without warms; shared-prefix
     at 3 slots p50 105 / p99 454 against 128 / 590 without, the same hit rate.  migrate auto
     (pull a prefix where the engines advertise they can; ``policies.pulls``), pull_margin_ms 0 (a
-    copy's eviction is priced; see the migration notes in ``policies.cache_aware``),
+    copy's eviction is priced; see the migration rule in ``policies.pulls``),
     transfer_ms_per_token 0.01 (used with migrate true where an engine advertises no cost)
     -- an 8B model's 128 KiB of KV per token at 12.5 GB/s --, transfer_overhead_ms 2, migrate_min_tokens
     256, engine_block_tokens 1 (no rounding; set it to the engine's block size -- vLLM's --block-size:

@@ -1,4 +1,4 @@
-"""What pulling a prefix from a peer costs, for ``cache_aware``'s migration (see its header):
+"""What pulling a prefix from a peer costs, for ``cache_aware``'s migration (the rule is below):
 which replicas may pull and from which holder, the transfer priced by the link, plus what pulls
 were seen to take beyond their predicted time to first token (the receiver asking the holder
 first, on a busy link: in the multi-turn benchmark at 3 slots a median 8 ms, and a pull saving
@@ -7,7 +7,34 @@ less than that raised the TTFT p50).
 Who can pull (``migrate``): ``auto`` (the default) only replicas whose engines advertise it
 (``ReplicaState.pull_ms_per_token`` >= 0, scraped from ``kvgate:kv_pull_info``), each priced at
 the slower end of its link with the holder; ``true`` every replica, priced as advertised or,
-where nothing is, by ``transfer_ms_per_token``; ``false`` none."""
+where nothing is, by ``transfer_ms_per_token``; ``false`` none.
+
+The rule (``cache_aware``'s ranking).  Let ``top = max_r hit(r)``, held by ``h`` (the least
+loaded of the replicas holding it that can serve a pull).  A replica r that can pull, with
+``top - hit(r) >= migrate_min_tokens``, can pull the difference from h instead of recomputing
+it::
+
+    pull_ms(r) = transfer_overhead_ms + (top - hit(r)) * max(link(r), link(h))
+
+and when ``pull_ms(r) < (top - hit(r)) * prefill_ms_per_token`` r (if within the load bound)
+gets a second score, ``ttft_pull(r) = queue_ms(r) + (P - top) * prefill_ms_per_token +
+pull_ms(r)`` (plus the ranking's penalty, as every score: the recompute of ``P - top`` and
+the blocks the copy pushes out of r's cache, priced by ``evict_weight``).  If ``min ttft_pull``
+is below every plain score (over the bound excluded) and either ``min ttft_pull + tie_ms +
+pull_margin_ms`` is below the scores of the replicas holding ``top`` or a replica without it
+wins by more than ``tie_ms`` anyway (a move without the pull copies as much into the
+receiver's cache and computes the rest), the pick is made among the pull scores within
+``tie_ms`` of their minimum, else exactly as without migration.  ``pull_margin_ms`` (0 by
+default) is what a copy must save beyond that price: before the eviction was priced, a margin
+of 100 ms kept prefixes from spreading to every replica (18 points of hit rate in the
+shared-prefix benchmark); priced, a margin of 0 loses about a point of hits there and cuts
+TTFT p50 and p99 by 40-50% at a load that queues (3 slots, two rounds against 100 ms).  So when
+h's queue exceeds about ``pull_ms`` (long before it exceeds a full recompute) a cheap-transfer
+replica takes the request at about h's hit; the decision then carries ``pull_from = h`` and
+``pull_tokens = top - hit(r)`` (the gateway passes them on as ``kv_transfer_params``) and
+predicts ``top`` cached tokens.  What pulls really take
+beyond their prediction is learned and added to ``transfer_overhead_ms`` (below).
+"""
 
 from __future__ import annotations
 
