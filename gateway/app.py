@@ -35,6 +35,7 @@ from .proxy import Proxy
 from .replicas import ReplicaPool
 from .state import (
     SharedPolicy,
+    SoloSync,
     StateMetrics,
     StateSync,
     Store,
@@ -60,7 +61,7 @@ class GatewayState:
     metrics: GatewayMetrics
     client: httpx.AsyncClient
     started: float
-    sync: StateSync
+    sync: StateSync | SoloSync
 
 
 class GatewayApp:
@@ -127,12 +128,17 @@ class GatewayApp:
         )
         store = self._store if self._store is not None else make_store(cfg.redis_url)
         gateway_id = cfg.gateway_id or f"{cfg.host}:{cfg.port}-{os.urandom(3).hex()}"
-        sync = StateSync(
-            store, self.policy_deps, pool, gateway_id, self._sync_settings,
-            StateMetrics(metrics.registry), clock=self._clock,
-        )
-        # The policy reports each dispatch to the shared state; the proxy is unaware of it.
-        proxy = Proxy(cfg, pool, SharedPolicy(self._policy, sync), upstream, metrics, self._clock)
+        if self._store is None and not cfg.redis_url:  # an embedded store nobody else can read
+            sync = SoloSync(store, gateway_id, StateMetrics(metrics.registry))
+            policy = self._policy
+        else:
+            sync = StateSync(
+                store, self.policy_deps, pool, gateway_id, self._sync_settings,
+                StateMetrics(metrics.registry), clock=self._clock,
+            )
+            # The policy reports each dispatch to the shared state; the proxy is unaware of it.
+            policy = SharedPolicy(self._policy, sync)
+        proxy = Proxy(cfg, pool, policy, upstream, metrics, self._clock)
         index = self.policy_deps.index
         rates = proxy.token_rates
 

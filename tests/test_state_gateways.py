@@ -263,3 +263,45 @@ def test_demo_with_two_gateways_shares_state_and_stops_cleanly():
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     assert "2 gateways share sessions" in out and "kvgate demo stopped" in out
+
+
+async def test_a_lone_gateway_without_a_store_runs_no_sync_and_still_keeps_sessions():
+    """No Redis URL and no store passed in: nobody else can read its embedded store, so the gateway
+    publishes nothing and tails nothing, and its own view still keeps sessions and prefixes."""
+    from gateway.state import SharedPolicy, SoloSync
+    from tests.topology import running_topology
+
+    async with running_topology(3, policy="cache_aware") as topo, httpx.AsyncClient(timeout=10) as c:
+        sync = topo.gateway.state.sync
+        assert isinstance(sync, SoloSync)
+        assert not isinstance(topo.gateway.state.proxy.policy, SharedPolicy)
+        placed = set()
+        messages = [{"role": "system", "content": "You are a lone gateway's helper. " * 30}]
+        for turn in range(5):
+            messages.append({"role": "user", "content": f"question {turn}"})
+            r = await c.post(topo.base_url + CHAT, headers={"x-session-id": "lone"}, json=chat(messages))
+            assert r.status_code == 200
+            placed.add(r.headers["x-kvgate-replica"])
+            if turn:
+                assert int(r.headers["x-kvgate-predicted-cached-tokens"]) > 0
+            messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        assert len(placed) == 1
+        store = (await c.get(topo.base_url + "/health")).json()["store"]
+        assert (store["backend"], store["shared"], store["up"], store["published"]) == ("memory", False, True, 0)
+        ready = await c.get(topo.base_url + "/ready")
+        assert ready.status_code == 200 and ready.json()["state_caught_up"] is True
+        metrics = (await c.get(topo.base_url + "/metrics")).text
+        assert 'kvgate_store_up{backend="memory"} 1.0' in metrics
+        assert "kvgate_store_caught_up 1.0" in metrics
+
+
+async def test_gateways_handed_one_memory_store_share_it():
+    async with running_gateways(2, policy="session", store=MemoryStore(), sync_settings=FAST) as cl, \
+            httpx.AsyncClient(timeout=10) as c:
+        for base in cl.base_urls:
+            store = (await c.get(base + "/health")).json()["store"]
+            assert (store["backend"], store["shared"]) == ("memory", True)
+        r = await c.post(cl.base_urls[0] + CHAT, headers={"x-session-id": "s"},
+                         json=chat([{"role": "user", "content": "hi"}]))
+        assert r.status_code == 200
+        await until(lambda: cl.apps[0].state.sync.stats["published"] == 1, what="published")

@@ -5,6 +5,8 @@
 * :mod:`.events` -- the index-change events and their stream encoding.
 * :mod:`.sync` -- :class:`StateSync`: outbox + flusher, stream tailer with catch-up, load
   heartbeat, failure handling; :mod:`.backoff` -- the pure retry strategy it uses.
+* :mod:`.solo` -- :class:`SoloSync`, the same surface for a gateway whose embedded store nobody
+  else can read: no sync at all.
 * :mod:`.policy` -- :class:`SharedPolicy`, the delegating wrapper that feeds the outbox.
 """
 
@@ -15,6 +17,7 @@ from .events import Event
 from .metrics import StateMetrics
 from .policy import SharedPolicy
 from .settings import SyncSettings
+from .solo import SoloSync
 from .store import MemoryStore, Store, StoreUnavailable, StreamInfo
 from .sync import StateSync
 
@@ -23,6 +26,7 @@ __all__ = [
     "Event",
     "MemoryStore",
     "SharedPolicy",
+    "SoloSync",
     "StateMetrics",
     "StateSync",
     "Store",

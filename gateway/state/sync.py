@@ -168,6 +168,7 @@ class StateSync:
         link = self.link
         return {
             "backend": self.store.backend,
+            "shared": True,
             "gateway_id": self.gateway_id,
             "up": link.up,
             "status": "ok" if link.up else "degraded",
