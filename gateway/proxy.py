@@ -27,7 +27,7 @@ from .config import GatewayConfig
 from .disconnect import DisconnectWatch, client_gone
 from .errors import KvgateError, ModelNotFound, NoReplicaAvailable, RateLimited, Unauthorized
 from .fastmetrics import Children, status_label
-from .features import parse_request
+from .features import CHAT, parse_request
 from .holds import PrefillHolds
 from .kvhints import pull_hint_body
 from .logs import access_fields
@@ -35,6 +35,7 @@ from .metrics import GatewayMetrics
 from .relay import SSE_DONE, StreamRelay
 from .replicas import ReplicaPool
 from .tokenrate import TokenRates
+from .turns import answer_from_json, answer_from_sse, continues
 from .upstream import (
     HOP_BY_HOP,
     RESPONSE_DROP,
@@ -46,13 +47,7 @@ from .upstream import (
     translate,
 )
 from .warms import Warmer
-from .wire import (
-    cached_tokens,
-    read_body,
-    send_error,
-    usage_from_json,
-    usage_from_sse_tail,
-)
+from .wire import cached_tokens, read_body, send_error, usage_from_json, usage_from_sse_tail
 
 log = logging.getLogger("kvgate.access")
 
@@ -85,6 +80,8 @@ class _Exchange:
     error: KvgateError | None = None
     watcher: asyncio.Task | None = None  # started only for requests that run a while
     view: ClusterView | None = None  # the snapshot decided on, until on_dispatch has seen it
+    turn: tuple | None = None  # (parsed, path, headers): its answer warms the next turn
+    answer: str | None = None
 
 
 class Proxy:
@@ -122,8 +119,11 @@ class Proxy:
         self.open_streams = 0
         self.in_flight = 0  # requests being forwarded (the max_in_flight limit)
         self.holds = PrefillHolds(pool, policy)  # requests waiting for a prefill in flight
-        self.warms = Warmer(pool, policy, self.client, self.holds, metrics.warm_requests, clock)
         self.token_rates = TokenRates()  # bytes per engine token, per model, learnt from usage
+        self.warms = Warmer(pool, policy, self.client, self.holds, metrics.warm_requests, clock,
+                            functools.partial(parse_request, CHAT, chunk_bytes=cfg.chunk_bytes,
+                                              bytes_per_token=self.token_rates.get))
+        self._turns = bool(getattr(policy, "warms_turns", False))  # gateway/turns.py
         self.max_in_flight = cfg.max_in_flight
         self.disconnects = DisconnectWatch(self.watch_disconnect_after_s)
         m = metrics
@@ -196,6 +196,8 @@ class Proxy:
             return
         forward.append((b"x-request-id", request_id))
         ex = _Exchange(route, rid, request_id, parsed.features, decision, started, view=view)
+        if self._turns and continues(kind, parsed.body, bool(session)):
+            ex.turn = (parsed, _target(scope), forward)
         self.in_flight += 1
         try:
             await self._forward(scope, receive, send, body, forward, ex)
@@ -335,13 +337,15 @@ class Proxy:
             ex.ok = status < 400
             if ex.ok and not encoded:
                 ex.usage = usage_from_json(data)
+                if ex.turn is not None:
+                    ex.answer = answer_from_json(data)
             return
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await self._relay_stream(send, resp, ex, scope)
 
     async def _relay_stream(self, send, resp: UpstreamResponse, ex: _Exchange, scope) -> None:
         relay = StreamRelay(resp, send, scope, ex, self.clock, self._m_itl.get(ex.route),
-                            self._first_token)
+                            self._first_token, keep=ex.turn is not None)
         self.open_streams += 1
         try:
             ended = await relay.run()
@@ -360,6 +364,8 @@ class Proxy:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         ex.ok = resp.status < 400
         ex.usage = usage_from_sse_tail(relay.tail)
+        if relay.kept and ex.ok:
+            ex.answer = answer_from_sse(b"".join(relay.kept))
 
     def _upstream_failed(self, replica_id: str, kind: str) -> None:
         self._m_upstream_errors.get(replica_id, kind).inc()
@@ -395,5 +401,7 @@ class Proxy:
                 predicted_cached_tokens=predicted_here,
             )
             self.policy.on_complete(ex.features, ex.replica, outcome)
+        if ex.answer and ex.replica:
+            self.warms.start_turn(ex.turn, ex.answer, ex.replica, ex.request_id_b)
         if log.isEnabledFor(logging.INFO):
             log.info("request", extra=access_fields(ex, self.policy_name, actual, elapsed))

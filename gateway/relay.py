@@ -1,7 +1,8 @@
 """Relaying a replica's event stream to the client, and what the gateway learns on the way.
 
 Two paths carry the same bytes with the same bookkeeping (time to first token, inter-token
-latency, the tail the ``usage`` is read from, ``[DONE]`` as the logical end):
+latency, the tail the ``usage`` is read from, ``[DONE]`` as the logical end, and with ``keep``
+every piece, from which ``gateway.turns`` reads the answer):
 
 * the task path: ``await resp.read_chunk()`` then ``await send(...)`` per piece, for any
   :class:`~gateway.upstream.UpstreamResponse` and any ASGI server;
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .httpconn import SEND_NOWAIT
+from .turns import MAX_CAPTURE_BYTES
 
 SSE_DONE = b"data: [DONE]\n\n"
 TAIL_BYTES = 4096
@@ -30,9 +32,11 @@ TAIL_BYTES = 4096
 class StreamRelay:
     """One streamed response: ``await StreamRelay(...).run()`` relays it to the end."""
 
-    __slots__ = ("resp", "send", "nowait", "ex", "clock", "itl", "last", "tail", "first")
+    __slots__ = ("resp", "send", "nowait", "ex", "clock", "itl", "last", "tail", "first", "kept",
+                 "kept_bytes")
 
-    def __init__(self, resp, send, scope, ex, clock: Callable[[], float], itl, first=None) -> None:
+    def __init__(self, resp, send, scope, ex, clock: Callable[[], float], itl, first=None,
+                 keep: bool = False) -> None:  # fmt: skip
         self.resp = resp
         self.send = send
         ext = scope.get("extensions")
@@ -43,6 +47,9 @@ class StreamRelay:
         self.last: float | None = None
         self.tail = b""
         self.first = first  # called with ``ex`` at the first piece (the first token)
+        # With ``keep``: every piece, for the answer (gateway/turns.py); None past the limit.
+        self.kept: list[bytes] | None = [] if keep else None
+        self.kept_bytes = 0
 
     def _seen(self, chunk: bytes) -> None:
         """Bookkeeping for one piece about to be written to the client."""
@@ -54,6 +61,13 @@ class StreamRelay:
         else:
             self.itl.observe(now - self.last)
         self.last = now
+        kept = self.kept
+        if kept is not None:
+            self.kept_bytes += len(chunk)
+            if self.kept_bytes <= MAX_CAPTURE_BYTES:
+                kept.append(chunk)
+            else:
+                self.kept = None
         tail = self.tail
         self.tail = (tail + chunk)[-TAIL_BYTES:] if tail else chunk[-TAIL_BYTES:]
         if self.tail.endswith(SSE_DONE):

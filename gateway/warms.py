@@ -15,6 +15,10 @@ copy is pulled from a holder (``kv_transfer_params``) -- in the background:
   it cached; a warm that fails is not retried (the index forgets what it did not compute).
 
 The client's answer never waits for it, and its outcome never reaches the client.
+
+``Warmer.start_turn`` sends the other kind (``gateway.turns``): once a conversation's turn is
+answered, the prompt with the answer appended, to the replica that served it, when the policy's
+``warm_turn`` takes it (a decision of reason ``warm-turn``); the same path from there.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ import orjson
 from policies.types import ClusterView, Decision, Outcome, RequestFeatures
 
 from . import fastclient as fc
+from .errors import KvgateError
 from .features import CHAT, COMPLETION, ParsedRequest
 from .holds import PrefillHolds
 from .kvhints import pull_hint_body
 from .replicas import ReplicaPool
+from .turns import next_turn_body
 from .upstream import UpstreamClient
 from .wire import cached_tokens, usage_from_json
 
@@ -62,7 +68,8 @@ class Warmer:
     """Sends the warms a policy asks for; one per proxy, built with it."""
 
     def __init__(self, pool: ReplicaPool, policy, client: UpstreamClient, holds: PrefillHolds,
-                 counter, clock: Callable[[], float]) -> None:  # fmt: skip
+                 counter, clock: Callable[[], float],
+                 features_of: Callable[..., ParsedRequest] | None = None) -> None:  # fmt: skip
         self.pool = pool
         self.policy = policy
         self.client = client
@@ -70,6 +77,8 @@ class Warmer:
         self.counter = counter  # kvgate_warm_requests_total{replica, outcome}
         self.clock = clock
         self.tasks: set[asyncio.Task] = set()
+        self.features_of = features_of  # parse_request(raw, headers) of a chat body
+        self.warm_turn = getattr(policy, "warm_turn", None)
 
     def start(self, parsed: ParsedRequest, path: str, headers: list[tuple[bytes, bytes]],
               warm: Decision, view: ClusterView) -> bool:  # fmt: skip
@@ -86,6 +95,24 @@ class Warmer:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return True
+
+    def start_turn(self, turn: tuple, answer: str, replica: str, request_id: bytes) -> bool:
+        """Warm a conversation's next turn (``gateway.turns``): the prompt of ``turn`` (parsed,
+        path, headers) with ``answer`` appended, on ``replica``, if the policy takes it now."""
+        parsed, path, headers = turn
+        if self.warm_turn is None or self.features_of is None:
+            return False
+        body = next_turn_body(parsed.body, answer)
+        try:
+            nxt = self.features_of(orjson.dumps(body), {})
+        except KvgateError:
+            return False
+        view = self.pool.snapshot(self.clock())
+        warm = self.warm_turn(nxt.features, replica, view)
+        if warm is None:
+            return False
+        hs = [h for h in headers if h[0] != b"x-request-id"] + [(b"x-request-id", request_id + b"-next")]
+        return self.start(nxt, path, hs, warm, view)
 
     async def _run(self, url: str, path: str, headers, parsed: ParsedRequest,
                    features: RequestFeatures, warm: Decision) -> None:  # fmt: skip

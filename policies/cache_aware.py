@@ -119,7 +119,7 @@ from .cache_aware_scores import (
     reason_for,
     warm_s,
 )
-from .demand import PrefixDemand, warm_decision
+from .demand import PrefixDemand, turn_decision, warm_decision
 from .deps import resolve_deps
 from .pulls import PullCost
 from .slots import SlotTimeline
@@ -356,6 +356,20 @@ class CacheAware(BasePolicy):
             self._pulls.started(id(req), ttft_ms)
         if req.session_key is not None:
             self._sessions.bind(req.session_key, replica)
+
+    @property
+    def warms_turns(self) -> bool:
+        return self._p.warm_turns
+
+    def warm_turn(self, req: RequestFeatures, replica_id: str, view: ClusterView) -> Decision | None:
+        """A warm of a conversation's next turn (``req``: the prompt and its answer) on the
+        replica that served the turn, if it leaves half that replica's slots free; else None."""
+        r = view.by_id(replica_id)
+        if (not self._p.warm_turns or not req.prefix_hashes or r is None or not r.healthy or r.draining
+                or 2 * (max(r.in_flight, r.running + r.waiting) + 1) > self._p.max_running):
+            return None
+        matched = self._index.match(req.prefix_hashes).get(replica_id, 0)
+        return turn_decision(replica_id, matched, req, self._p.prefill_ms_per_token)
 
     def on_first_token(self, req: RequestFeatures, replica_id: str) -> None:
         if req.prefix_hashes:

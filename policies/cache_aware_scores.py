@@ -39,7 +39,10 @@ class CacheAwareParams:
     (weight 1 kept one more point of hits at 90% busy, at 1.4x the TTFT p99), replicate_util
     0.25 (0 turns copying by demand off; a copy once the prefix keeps a quarter of its holders'
     slots busy), warm_copies true (the copy is made by a prefill-only request the gateway sends,
-    not by a client's request).  Without warms a copy cost a client a cold prefill, and 0.5 was
+    not by a client's request), warm_turns true (once a conversation's turn is answered, the
+    gateway prefills the answer where it was served, so the next turn computes only its new
+    message: ``gateway.turns``; only while half that replica's slots stay free).
+    Without warms a copy cost a client a cold prefill, and 0.5 was
     the best trade (hot-prefix at 3 slots and 0.8x its rate, five interleaved rounds: TTFT p50 37
     ms and p99 409 against 48 and 555 with 1).  With them copies cost no client anything and may
     come early: hot-prefix there p50 27 / p99 296 (0.25 with warms) against 43 / 370 (0.5 with
@@ -83,6 +86,7 @@ class CacheAwareParams:
     evict_weight: float = 1.0
     replicate_util: float = 0.25
     warm_copies: bool = True
+    warm_turns: bool = True
 
     def validate(self) -> None:
         if self.prefill_ms_per_token < 0 or self.decode_ms_per_token < 0:

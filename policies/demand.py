@@ -40,13 +40,17 @@ reason ``warm-copy``, no alternates).  The gateway sends the prompt there with o
 computed (a follower may hold for it) and count its replica as a holder.  A copy that pulls the
 prefix from a holder (``migrate``) is a warm too, carrying the pull: no client waits for the
 transfer either.
+
+A conversation's next turn is warmed too (``warm_turns``; ``turn_decision``): once a turn is
+answered, the gateway asks ``CacheAware.warm_turn`` with the prompt and its answer, and prefills
+it on the replica that served the turn while half its slots stay free (``gateway.turns``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from .types import Decision
+from .types import Decision, RequestFeatures
 
 
 def warm_decision(copy: Decision) -> Decision:
@@ -59,6 +63,18 @@ def warm_decision(copy: Decision) -> Decision:
     return Decision(replica=copy.replica, reason="warm-copy",
                     predicted_cached_tokens=copy.predicted_cached_tokens, scores=scores,
                     pull_from=copy.pull_from, pull_tokens=copy.pull_tokens)
+
+
+def turn_decision(replica: str, matched_blocks: int, req: RequestFeatures,
+                  prefill_ms_per_token: float) -> Decision:  # fmt: skip
+    """The prefill of a conversation's next turn (``req``: the prompt with the answer appended)
+    on ``replica``, which served the turn and holds ``matched_blocks`` of it: a warm of its own,
+    no alternates, no demand."""
+    cached = min(matched_blocks * req.tokens_per_hash, req.prompt_tokens)
+    scores = {"ttft_ms": (req.prompt_tokens - cached) * prefill_ms_per_token, "top_blocks": 0.0,
+              "matched_blocks": float(matched_blocks), "hold_ms": 0.0}
+    return Decision(replica=replica, reason="warm-turn", predicted_cached_tokens=cached,
+                    scores=scores)
 
 
 class PrefixDemand:

@@ -97,6 +97,8 @@ async def test_removed_replica_leaves_the_prefix_index_and_sessions():
         holder = r.headers["x-kvgate-replica"]
         deps = topo.gateway.policy_deps
         assert deps.index.blocks(holder) > 0 and deps.sessions.peek("s1") == holder
+        # the session's next turn is warmed there (warm_turns): removing waits for that to end
+        await asyncio.gather(*topo.gateway.state.proxy.warms.tasks)
         assert (await c.delete(topo.base_url + f"/admin/replicas/{holder}")).status_code == 200
         assert deps.index.blocks(holder) == 0 and deps.sessions.peek("s1") is None
         r = await c.post(topo.base_url + CHAT, json=body(long), headers={"x-session-id": "s1"})
