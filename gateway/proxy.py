@@ -122,7 +122,8 @@ class Proxy:
         self.token_rates = TokenRates()  # bytes per engine token, per model, learnt from usage
         self.warms = Warmer(pool, policy, self.client, self.holds, metrics.warm_requests, clock,
                             functools.partial(parse_request, CHAT, chunk_bytes=cfg.chunk_bytes,
-                                              bytes_per_token=self.token_rates.get))
+                                              bytes_per_token=self.token_rates.get),
+                            self._upstream_failed)
         self._turns = bool(getattr(policy, "warms_turns", False))  # gateway/turns.py
         self.max_in_flight = cfg.max_in_flight
         self.disconnects = DisconnectWatch(self.watch_disconnect_after_s)

@@ -12,7 +12,9 @@ copy is pulled from a holder (``kv_transfer_params``) -- in the background:
 * counted in the replica's in-flight load while it runs;
 * its first (and only) token reported like a client request's (``PrefillHolds.first_token``:
   followers held for the copy are released), then ``on_complete`` with what the replica said
-  it cached; a warm that fails is not retried (the index forgets what it did not compute).
+  it cached; a warm that fails is not retried (the index forgets what it did not compute);
+* part of the replica's passive health like a client request: a refused connection, a timeout
+  or a 502/503/504 counts toward ejection (``failed``, the proxy's), an answer resets the count.
 
 The client's answer never waits for it, and its outcome never reaches the client.
 
@@ -40,7 +42,7 @@ from .holds import PrefillHolds
 from .kvhints import pull_hint_body
 from .replicas import ReplicaPool
 from .turns import next_turn_body
-from .upstream import UpstreamClient
+from .upstream import RETRYABLE_STATUS, UpstreamClient, error_kind
 from .wire import cached_tokens, usage_from_json
 
 log = logging.getLogger("kvgate.warm")
@@ -69,7 +71,8 @@ class Warmer:
 
     def __init__(self, pool: ReplicaPool, policy, client: UpstreamClient, holds: PrefillHolds,
                  counter, clock: Callable[[], float],
-                 features_of: Callable[..., ParsedRequest] | None = None) -> None:  # fmt: skip
+                 features_of: Callable[..., ParsedRequest] | None = None,
+                 failed: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
         self.pool = pool
         self.policy = policy
         self.client = client
@@ -79,6 +82,7 @@ class Warmer:
         self.tasks: set[asyncio.Task] = set()
         self.features_of = features_of  # parse_request(raw, headers) of a chat body
         self.warm_turn = getattr(policy, "warm_turn", None)
+        self.failed = failed  # (replica, kind): counts toward the replica's passive ejection
 
     def start(self, parsed: ParsedRequest, path: str, headers: list[tuple[bytes, bytes]],
               warm: Decision, view: ClusterView) -> bool:  # fmt: skip
@@ -132,12 +136,17 @@ class Warmer:
                 await resp.aclose()
             ok = resp.status < 400
             outcome = "ok" if ok else f"status_{resp.status}"
+            if resp.status in RETRYABLE_STATUS:
+                self._failed(replica, outcome)
+            elif ok:
+                self.pool.record_success(replica)
             if ok:
                 ttft = self.clock() - started
                 usage = usage_from_json(data)
                 self.holds.first_token(features, replica)
         except fc.HTTPError as exc:
             log.warning("warm failed", extra={"replica": replica, "error": str(exc)})
+            self._failed(replica, error_kind(exc))
         finally:
             self.pool.end(replica)
             self.counter.labels(replica, outcome).inc()
@@ -147,6 +156,10 @@ class Warmer:
                 cached_tokens=cached_tokens(usage), latency_s=self.clock() - started, ttft_s=ttft,
                 predicted_cached_tokens=warm.predicted_cached_tokens,
             ))
+
+    def _failed(self, replica: str, kind: str) -> None:
+        if self.failed is not None:
+            self.failed(replica, kind)
 
     async def aclose(self) -> None:
         """Cancel the warms still in flight (shutdown)."""

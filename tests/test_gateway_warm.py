@@ -139,3 +139,31 @@ async def test_a_failed_warm_is_forgotten_and_the_next_request_asks_for_the_copy
             metrics = (await c.get(topo.base_url + "/metrics")).text
     warms = _warms(metrics)
     assert set(warms) == {(other, "status_503")} and warms[(other, "status_503")] >= 2
+
+
+def _ejections(metrics: str, replica: str) -> float:
+    line = f'kvgate_replica_ejections_total{{replica="{replica}"}} '
+    return sum(float(x[len(line):]) for x in metrics.splitlines() if x.startswith(line))
+
+
+async def test_failed_warms_count_toward_the_replicas_passive_ejection() -> None:
+    """Warms are the only traffic the copy's replica gets (the clients stay with the holder), so
+    its failures are the only sign it is broken: two 503s in a row eject it like two failed
+    client requests would, and no copy is asked of it after that."""
+    sim = SimConfig(prefill_s_per_token=0.0, decode_s_per_token=0.0)
+    async with running_topology(2, sim, policy_params=PARAMS, eject_after_failures=2) as topo:
+        async with httpx.AsyncClient(timeout=10) as c:
+            proxy = topo.gateway.state.proxy
+            first = await c.post(topo.base_url + "/v1/chat/completions", json=body("q0?"))
+            holder = first.headers["x-kvgate-replica"]
+            other_url = next(u for u in topo.replica_urls if not u.endswith(holder))
+            other = other_url.split("://", 1)[1]
+            await c.post(other_url + "/sim/faults", json={"error_rate": 1.0})
+            for i in range(1, 9):
+                r = await c.post(topo.base_url + "/v1/chat/completions", json=body(f"q{i}?"))
+                assert r.status_code == 200 and r.headers["x-kvgate-replica"] == holder
+                await asyncio.gather(*proxy.warms.tasks)
+            metrics = (await c.get(topo.base_url + "/metrics")).text
+            assert not proxy.pool.get(other).healthy and proxy.pool.get(holder).healthy
+    assert _warms(metrics) == {(other, "status_503"): 2.0}
+    assert _ejections(metrics, other) == 1.0
