@@ -119,12 +119,12 @@ async def test_a_warm_pulls_the_prefix_where_the_replicas_advertise_pulls() -> N
     assert states[holder]["kv_lookups"] == 1  # asked what it holds, by the puller
 
 
-async def test_a_failed_warm_is_forgotten_and_the_next_request_asks_for_the_copy_again() -> None:
-    """The replica meant for the copy answers 503: the warm is not retried elsewhere, the client
-    never sees it, and the index forgets the copy (it was never computed), so the next request
-    still finds one holder and asks again."""
+async def _warms_to_a_failing_replica(requests: int, **settings) -> tuple[str, str, str, dict]:
+    """One request makes a holder, the other replica starts answering 503, then ``requests``
+    more on the document, each warm answered before the next request: (metrics, holder, other,
+    health by replica)."""
     sim = SimConfig(prefill_s_per_token=0.0, decode_s_per_token=0.0)
-    async with running_topology(2, sim, policy_params=PARAMS) as topo:
+    async with running_topology(2, sim, policy_params=PARAMS, **settings) as topo:
         async with httpx.AsyncClient(timeout=10) as c:
             proxy = topo.gateway.state.proxy
             first = await c.post(topo.base_url + "/v1/chat/completions", json=body("q0?"))
@@ -132,11 +132,20 @@ async def test_a_failed_warm_is_forgotten_and_the_next_request_asks_for_the_copy
             other_url = next(u for u in topo.replica_urls if not u.endswith(holder))
             other = other_url.split("://", 1)[1]
             await c.post(other_url + "/sim/faults", json={"error_rate": 1.0})
-            for i in range(1, 7):
+            for i in range(1, requests + 1):
                 r = await c.post(topo.base_url + "/v1/chat/completions", json=body(f"q{i}?"))
                 assert r.status_code == 200 and r.headers["x-kvgate-replica"] == holder
-                await asyncio.gather(*proxy.warms.tasks)  # each warm answered before the next
+                await asyncio.gather(*proxy.warms.tasks)
             metrics = (await c.get(topo.base_url + "/metrics")).text
+            health = {r: proxy.pool.get(r).healthy for r in (holder, other)}
+    return metrics, holder, other, health
+
+
+async def test_a_failed_warm_is_forgotten_and_the_next_request_asks_for_the_copy_again() -> None:
+    """The replica meant for the copy answers 503: the warm is not retried elsewhere, the client
+    never sees it, and the index forgets the copy (it was never computed), so the next request
+    still finds one holder and asks again."""
+    metrics, _, other, _ = await _warms_to_a_failing_replica(6, eject_after_failures=10)
     warms = _warms(metrics)
     assert set(warms) == {(other, "status_503")} and warms[(other, "status_503")] >= 2
 
@@ -150,20 +159,7 @@ async def test_failed_warms_count_toward_the_replicas_passive_ejection() -> None
     """Warms are the only traffic the copy's replica gets (the clients stay with the holder), so
     its failures are the only sign it is broken: two 503s in a row eject it like two failed
     client requests would, and no copy is asked of it after that."""
-    sim = SimConfig(prefill_s_per_token=0.0, decode_s_per_token=0.0)
-    async with running_topology(2, sim, policy_params=PARAMS, eject_after_failures=2) as topo:
-        async with httpx.AsyncClient(timeout=10) as c:
-            proxy = topo.gateway.state.proxy
-            first = await c.post(topo.base_url + "/v1/chat/completions", json=body("q0?"))
-            holder = first.headers["x-kvgate-replica"]
-            other_url = next(u for u in topo.replica_urls if not u.endswith(holder))
-            other = other_url.split("://", 1)[1]
-            await c.post(other_url + "/sim/faults", json={"error_rate": 1.0})
-            for i in range(1, 9):
-                r = await c.post(topo.base_url + "/v1/chat/completions", json=body(f"q{i}?"))
-                assert r.status_code == 200 and r.headers["x-kvgate-replica"] == holder
-                await asyncio.gather(*proxy.warms.tasks)
-            metrics = (await c.get(topo.base_url + "/metrics")).text
-            assert not proxy.pool.get(other).healthy and proxy.pool.get(holder).healthy
+    metrics, holder, other, health = await _warms_to_a_failing_replica(8, eject_after_failures=2)
+    assert health == {holder: True, other: False}
     assert _warms(metrics) == {(other, "status_503"): 2.0}
     assert _ejections(metrics, other) == 1.0
