@@ -12,7 +12,7 @@ import contextlib
 import random
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import uvicorn
@@ -88,8 +88,9 @@ class ServerGroup:
     async def wait(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def run_until_signal(self) -> None:
-        """Start, then serve until SIGINT/SIGTERM; a second signal forces exit."""
+    async def run_until_signal(self, on_started: Callable[[], None] | None = None) -> None:
+        """Start, then serve until SIGINT/SIGTERM; a second signal forces exit.  ``on_started``
+        runs once every server is up (its lifespan's start-up done)."""
         loop = asyncio.get_running_loop()
         hits = 0
 
@@ -106,6 +107,8 @@ class ServerGroup:
                 loop.add_signal_handler(sig, on_signal)
         try:
             await self.start()
+            if on_started is not None:
+                on_started()
             await self.wait()
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
