@@ -3,7 +3,7 @@
 A disconnect is watched for (a task reading ASGI ``receive``) only once a request has run
 ``after_s``: most short requests finish first, and skip the task.  One timer sweeps the running
 requests (in start order) instead of a timer per request.  A request is any object with the
-``finished`` and ``watcher`` attributes of the proxy's ``_Exchange``, used as a dict key.
+``finished`` and ``watcher`` attributes of a ``gateway.exchange.Exchange``, used as a dict key.
 
 The proxy registers and forgets each request inline (``Proxy._forward``), on :attr:`pending`,
 :attr:`sweeper` and :attr:`loop`: no method call per request on the hot path.

@@ -111,19 +111,23 @@ def tokens_per_hash(chunk_bytes: int, bytes_per_token: float) -> int:
     return max(1, round(chunk_bytes / bytes_per_token))
 
 
-def parse_request(
+def parse_request(kind: str, raw: bytes, headers: Mapping[str, str], **options) -> ParsedRequest:
+    """Decode a client's body and :func:`parse_body` it (``options``: parse_body's)."""
+    return parse_body(kind, _loads(raw), headers, **options)
+
+
+def parse_body(
     kind: str,
-    raw: bytes,
+    body: dict,
     headers: Mapping[str, str],
     *,
     session_header: str = "x-session-id",
     chunk_bytes: int = 256,
     bytes_per_token: Callable[[str], float] | None = None,
 ) -> ParsedRequest:
-    """Validate the body just enough to route it and compute its prefix hashes; token counts
-    are the rendered prompt's bytes over ``bytes_per_token(model)`` (``gateway.tokenrate``;
-    default 4)."""
-    body = _loads(raw)
+    """Validate a decoded body just enough to route it and compute its prefix hashes; token
+    counts are the rendered prompt's bytes over ``bytes_per_token(model)``
+    (``gateway.tokenrate``; default 4)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", param="model")

@@ -14,7 +14,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import httpx
 import orjson
@@ -26,8 +25,9 @@ from . import fastclient as fc
 from .config import GatewayConfig
 from .disconnect import DisconnectWatch, client_gone
 from .errors import KvgateError, ModelNotFound, NoReplicaAvailable, RateLimited, Unauthorized
+from .exchange import Exchange, target
 from .fastmetrics import Children, status_label
-from .features import CHAT, parse_request
+from .features import CHAT, parse_body, parse_request
 from .holds import PrefillHolds
 from .kvhints import pull_hint_body
 from .logs import access_fields
@@ -52,36 +52,6 @@ from .wire import cached_tokens, read_body, send_error, usage_from_json, usage_f
 log = logging.getLogger("kvgate.access")
 
 RESPONSE_SKIP = RESPONSE_DROP | {b"x-request-id"}  # the gateway sets its own x-request-id
-
-
-def _target(scope) -> str:
-    """The request's path and query string, as sent upstream."""
-    qs = scope.get("query_string", b"")
-    return scope["path"] + ("?" + qs.decode("latin-1") if qs else "")
-
-
-@dataclass(slots=True, eq=False)  # identity hash: a key of DisconnectWatch.pending
-class _Exchange:
-    """Per-request bookkeeping shared by the helpers below."""
-
-    route: str
-    request_id: str
-    request_id_b: bytes
-    features: RequestFeatures
-    decision: Decision
-    started: float
-    replica: str = ""
-    status: int = 0
-    attempts: int = 0
-    ttft: float | None = None
-    usage: dict | None = None
-    ok: bool = False
-    finished: bool = False  # the response is complete: a disconnect no longer cancels
-    error: KvgateError | None = None
-    watcher: asyncio.Task | None = None  # started only for requests that run a while
-    view: ClusterView | None = None  # the snapshot decided on, until on_dispatch has seen it
-    turn: tuple | None = None  # (parsed, path, headers): its answer warms the next turn
-    answer: str | None = None
 
 
 class Proxy:
@@ -121,7 +91,7 @@ class Proxy:
         self.holds = PrefillHolds(pool, policy)  # requests waiting for a prefill in flight
         self.token_rates = TokenRates()  # bytes per engine token, per model, learnt from usage
         self.warms = Warmer(pool, policy, self.client, self.holds, metrics.warm_requests, clock,
-                            functools.partial(parse_request, CHAT, chunk_bytes=cfg.chunk_bytes,
+                            functools.partial(parse_body, CHAT, chunk_bytes=cfg.chunk_bytes,
                                               bytes_per_token=self.token_rates.get),
                             self._upstream_failed)
         self._turns = bool(getattr(policy, "warms_turns", False))  # gateway/turns.py
@@ -190,15 +160,15 @@ class Proxy:
                 body = pull_hint_body(parsed.body, decision, self.pool) or body
             if decision.warm is not None:  # a copy of the prefix made by a request of its own
                 wh = [*forward, (b"x-request-id", request_id + b"-warm")]
-                self.warms.start(parsed, _target(scope), wh, decision.warm, view)
+                self.warms.start(parsed, target(scope), wh, decision.warm, view)
         except KvgateError as exc:
             self._m_requests.get(route, str(exc.status)).inc()
             await send_error(send, exc, [(b"x-request-id", request_id)])
             return
         forward.append((b"x-request-id", request_id))
-        ex = _Exchange(route, rid, request_id, parsed.features, decision, started, view=view)
+        ex = Exchange(route, rid, request_id, parsed.features, decision, started, view=view)
         if self._turns and continues(kind, parsed.body, bool(session)):
-            ex.turn = (parsed, _target(scope), forward)
+            ex.turn = (parsed, target(scope), forward)
         self.in_flight += 1
         try:
             await self._forward(scope, receive, send, body, forward, ex)
@@ -214,7 +184,7 @@ class Proxy:
         except NoReplicaError as exc:
             raise NoReplicaAvailable(str(exc)) from exc
 
-    def _dispatched(self, ex: _Exchange) -> None:
+    def _dispatched(self, ex: Exchange) -> None:
         """The policy's ``on_dispatch`` (index, sessions, shared state), once per request: called
         by the upstream client as soon as the request is written (or before it first waits), so
         it is off the time to first token and still ahead of any other request's ``select``."""
@@ -225,7 +195,7 @@ class Proxy:
             self._m_decisions.get(self.policy_name, decision.reason, decision.replica).inc()
 
     # ------------------------------------------------------------------ forwarding
-    async def _forward(self, scope, receive, send, body: bytes, headers, ex: _Exchange) -> None:
+    async def _forward(self, scope, receive, send, body: bytes, headers, ex: Exchange) -> None:
         task = asyncio.current_task()
         watch = self.disconnects  # registered inline: no method call per request
         loop = watch.loop or watch.bind_loop()
@@ -253,10 +223,10 @@ class Proxy:
                 ex.watcher.cancel()
             self._finish(ex)
 
-    async def _connect(self, scope, body: bytes, headers, ex: _Exchange) -> UpstreamResponse | None:
+    async def _connect(self, scope, body: bytes, headers, ex: Exchange) -> UpstreamResponse | None:
         """Open the upstream response, retrying alternates on retryable failures."""
         candidates = ex.decision.candidates()[: self.cfg.max_retries + 1]
-        path = _target(scope)
+        path = target(scope)
         sent = functools.partial(self._dispatched, ex)
         if ex.decision.hold_s > 0:
             await self.holds.wait(ex.decision.replica, ex.decision.hold_s, ex.features)
@@ -289,16 +259,16 @@ class Proxy:
             return resp
         return None
 
-    def _first_token(self, ex: _Exchange) -> None:
+    def _first_token(self, ex: Exchange) -> None:
         self.holds.first_token(ex.features, ex.replica)
 
-    async def _fail(self, send, ex: _Exchange) -> None:
+    async def _fail(self, send, ex: Exchange) -> None:
         err = ex.error or NoReplicaAvailable("no replica could take the request")
         ex.status = err.status
         ex.finished = True
         await send_error(send, err, [(b"x-request-id", ex.request_id_b)])
 
-    def _route_headers(self, ex: _Exchange) -> list[tuple[bytes, bytes]]:
+    def _route_headers(self, ex: Exchange) -> list[tuple[bytes, bytes]]:
         return [
             (b"x-request-id", ex.request_id_b),
             (b"x-kvgate-replica", ex.replica.encode()),
@@ -308,7 +278,7 @@ class Proxy:
             (b"x-kvgate-attempts", b"%d" % ex.attempts),
         ]
 
-    async def _relay(self, send, resp: UpstreamResponse, ex: _Exchange, scope) -> None:
+    async def _relay(self, send, resp: UpstreamResponse, ex: Exchange, scope) -> None:
         ex.status = status = resp.status
         # One pass: drop hop-by-hop headers and the replica's x-request-id, note the two we need.
         headers = []
@@ -344,7 +314,7 @@ class Proxy:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await self._relay_stream(send, resp, ex, scope)
 
-    async def _relay_stream(self, send, resp: UpstreamResponse, ex: _Exchange, scope) -> None:
+    async def _relay_stream(self, send, resp: UpstreamResponse, ex: Exchange, scope) -> None:
         relay = StreamRelay(resp, send, scope, ex, self.clock, self._m_itl.get(ex.route),
                             self._first_token, keep=ex.turn is not None)
         self.open_streams += 1
@@ -373,7 +343,7 @@ class Proxy:
         if self.pool.record_failure(replica_id):
             self._m_ejections.get(replica_id).inc()
 
-    def _finish(self, ex: _Exchange) -> None:
+    def _finish(self, ex: Exchange) -> None:
         elapsed = self.clock() - ex.started
         if ex.replica:
             self.pool.end(ex.replica)

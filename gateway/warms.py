@@ -80,7 +80,7 @@ class Warmer:
         self.counter = counter  # kvgate_warm_requests_total{replica, outcome}
         self.clock = clock
         self.tasks: set[asyncio.Task] = set()
-        self.features_of = features_of  # parse_request(raw, headers) of a chat body
+        self.features_of = features_of  # parse_body(body, headers) of a chat body
         self.warm_turn = getattr(policy, "warm_turn", None)
         self.failed = failed  # (replica, kind): counts toward the replica's passive ejection
 
@@ -108,7 +108,7 @@ class Warmer:
             return False
         body = next_turn_body(parsed.body, answer)
         try:
-            nxt = self.features_of(orjson.dumps(body), {})
+            nxt = self.features_of(body, {})
         except KvgateError:
             return False
         view = self.pool.snapshot(self.clock())

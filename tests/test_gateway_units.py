@@ -270,14 +270,14 @@ async def test_a_held_request_counts_in_flight_and_held_until_it_is_sent() -> No
 
 
 def test_the_access_log_line_carries_the_prediction_beside_what_happened() -> None:
+    from gateway.exchange import Exchange
     from gateway.logs import access_fields
-    from gateway.proxy import _Exchange
     from policies.types import Decision
 
     decision = Decision("r1", reason="prefill-wait", predicted_cached_tokens=640, hold_s=0.0123,
                         scores={"ttft_ms": 41.234, "queue_ms": 2.0})  # fmt: skip
-    ex = _Exchange("/v1/chat/completions", "id1", b"id1", RequestFeatures("m"), decision, 0.0,
-                   replica="r1", status=200, attempts=1, ttft=0.05)  # fmt: skip
+    ex = Exchange("/v1/chat/completions", "id1", b"id1", RequestFeatures("m"), decision, 0.0,
+                  replica="r1", status=200, attempts=1, ttft=0.05)  # fmt: skip
     line = access_fields(ex, "cache_aware", 512, 0.25)
     assert line["predicted_ttft_ms"] == 41.23 and line["predicted_queue_ms"] == 2.0
     assert (line["hold_ms"], line["cached_tokens"], line["ttft_ms"]) == (12.3, 512, 50.0)
