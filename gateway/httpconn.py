@@ -342,6 +342,10 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.write(_error_response(500, "internal server error", "internal_error"))
             self._close()
             return
+        finally:
+            # The scope's extension is a bound method of the cycle: drop it, or every exchange is a
+            # reference cycle (cycle -> scope -> method -> cycle) left for the cyclic GC.
+            cycle.scope.pop("extensions", None)
         if not cycle.complete:
             if not cycle.started and not self.closed:
                 log.error("ASGI app returned without a response on %s", cycle.scope["path"])

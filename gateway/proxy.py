@@ -217,10 +217,8 @@ class Proxy:
             task.uncancel()
             ex.status = 499  # client closed the connection
         finally:
-            ex.finished = True
+            ex.finished = True  # a watcher, if one started, wakes on the response's end and returns
             watch.pending.pop(ex, None)
-            if ex.watcher is not None:
-                ex.watcher.cancel()
             self._finish(ex)
 
     async def _connect(self, scope, body: bytes, headers, ex: Exchange) -> UpstreamResponse | None:
