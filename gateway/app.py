@@ -43,7 +43,7 @@ from .state import (
     check_store_url,
     make_store,
 )
-from .upstream import make_client, make_upstream
+from .upstream import UpstreamClient, make_client, make_upstream
 from .wire import send_error
 
 log = logging.getLogger("kvgate.gateway")
@@ -59,7 +59,7 @@ class GatewayState:
     pool: ReplicaPool
     proxy: Proxy
     metrics: GatewayMetrics
-    client: httpx.AsyncClient
+    client: UpstreamClient  # the proxy's, which the health checks share
     started: float
     sync: StateSync | SoloSync
 
@@ -116,13 +116,14 @@ class GatewayApp:
     @contextlib.asynccontextmanager
     async def lifespan(self, _app):
         cfg = self.cfg
-        client = make_client(
-            cfg.connect_timeout_s, cfg.read_timeout_s, cfg.max_connections_per_replica, self._transport
-        )
         pool = ReplicaPool(cfg.replicas, cfg.eject_after_failures)
         metrics = GatewayMetrics()
         # An injected httpx transport (tests) means httpx for the proxy too.
         kind = "httpx" if self._transport is not None else cfg.upstream_client
+        client = None if kind != "httpx" else make_client(
+            cfg.connect_timeout_s, cfg.read_timeout_s, cfg.max_connections_per_replica, self._transport
+        )
+        # One client for the proxy, its warms and the health checks (gateway/health.py).
         upstream = make_upstream(
             kind, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.max_connections_per_replica, client
         )
@@ -145,13 +146,13 @@ class GatewayApp:
         def capacities(replicas: ReplicaPool) -> None:
             sync_capacities(replicas, index, lambda m: tokens_per_hash(cfg.chunk_bytes, rates.get(m)))
 
-        await check_all(client, pool, cfg.connect_timeout_s)
+        await check_all(upstream, pool, cfg.connect_timeout_s)
         capacities(pool)
         # Replay the shared stream before serving (bounded); /ready says 503 until it is done.
         await sync.start(wait_s=2.0)
-        self.state = GatewayState(cfg, pool, proxy, metrics, client, self._clock(), sync)
+        self.state = GatewayState(cfg, pool, proxy, metrics, upstream, self._clock(), sync)
         checker = asyncio.create_task(
-            health_loop(client, pool, cfg.health_interval_s, cfg.connect_timeout_s, capacities)
+            health_loop(upstream, pool, cfg.health_interval_s, cfg.connect_timeout_s, capacities)
         )
         log.info("gateway ready", extra={
             "replicas": [r.id for r in pool], "policy": cfg.policy, "gateway_id": gateway_id,
@@ -169,7 +170,8 @@ class GatewayApp:
             if self._store is None:
                 await store.close()
             await upstream.aclose()
-            await client.aclose()
+            if client is not None:
+                await client.aclose()
             self.state = None
 
     # ------------------------------------------------------------------ control routes

@@ -1,19 +1,44 @@
-"""Active health checks against a real simulated replica: what takes a replica out, and when."""
+"""Active health checks against a real simulated replica: what takes a replica out, and when.
+The probes go out on the proxy's upstream client: each test runs on both (fast, httpx)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
+import pytest
 
 from gateway.config import ReplicaConfig
+from gateway.fastclient import FastClient
 from gateway.health import check_all, check_replica
 from gateway.replicas import Replica, ReplicaPool
 from gateway.runner import sim_specs
 from gateway.servers import ServerGroup
 from gateway.sim.config import SimConfig
+from gateway.upstream import HttpxUpstream
 from tests.test_gateway_proxy import CHAT, body, set_faults
 from tests.topology import free_port, running_topology
 
 TIMEOUT = 0.3  # the probes' timeout; the slow replica answers 30 s late
+
+
+@pytest.fixture(params=["fast", "httpx"])
+def probes(request):
+    """Opens the upstream client the probes use, of each kind."""
+
+    @contextlib.asynccontextmanager
+    async def open_client():
+        if request.param == "fast":
+            client = FastClient(connect_timeout=1.0)
+            try:
+                yield client
+            finally:
+                await client.aclose()
+        else:
+            async with httpx.AsyncClient() as raw:
+                yield HttpxUpstream(raw)
+
+    return open_client
 
 
 async def start_sim() -> tuple[ServerGroup, str]:
@@ -23,15 +48,16 @@ async def start_sim() -> tuple[ServerGroup, str]:
     return group, f"http://127.0.0.1:{port}"
 
 
-async def test_probes_that_time_out_take_a_replica_out_only_after_patience_runs_out():
+async def test_probes_that_time_out_take_a_replica_out_only_after_patience_runs_out(probes):
     """A busy engine answers its probes late while serving fine: one late probe is not a death."""
     group, url = await start_sim()
     try:
         rep = Replica(ReplicaConfig(url))
-        async with httpx.AsyncClient() as client:
+        async with probes() as client, httpx.AsyncClient() as other:
             assert await check_replica(client, rep, TIMEOUT, patience=3)
             assert rep.metrics_ok and rep.models == frozenset({"tiny"}) and rep.failures == 0
-            bad = await client.post(url + "/sim/faults", json={"probe_delay_s": -1})
+            assert rep.running == 0 and rep.kv_tokens > 0  # from its /metrics
+            bad = await other.post(url + "/sim/faults", json={"probe_delay_s": -1})
             assert bad.status_code == 400 and "probe_delay_s" in bad.text
             await set_faults(url, probe_delay_s=30)
             assert await check_replica(client, rep, TIMEOUT, patience=3)
@@ -47,27 +73,27 @@ async def test_probes_that_time_out_take_a_replica_out_only_after_patience_runs_
         await group.stop()
 
 
-async def test_a_replica_that_says_it_is_unhealthy_or_cannot_be_reached_is_out_at_once():
+async def test_a_replica_that_says_it_is_unhealthy_or_cannot_be_reached_is_out_at_once(probes):
     group, url = await start_sim()
     rep = Replica(ReplicaConfig(url))
     try:
-        async with httpx.AsyncClient() as client:
+        async with probes() as client:
             await set_faults(url, unhealthy=True)
             assert not await check_replica(client, rep, TIMEOUT, patience=3)
             await set_faults(url, unhealthy=False)
             assert await check_replica(client, rep, TIMEOUT, patience=3)
     finally:
         await group.stop()
-    async with httpx.AsyncClient() as client:  # the process is gone: connection refused
+    async with probes() as client:  # the process is gone: connection refused
         assert not await check_replica(client, rep, TIMEOUT, patience=3)
         assert not rep.healthy and rep.failures == 1
 
 
-async def test_check_all_gives_every_replica_the_pools_patience():
+async def test_check_all_gives_every_replica_the_pools_patience(probes):
     group, url = await start_sim()
     try:
         pool = ReplicaPool([ReplicaConfig(url)], eject_after_failures=2)
-        async with httpx.AsyncClient() as client:
+        async with probes() as client:
             await set_faults(url, probe_delay_s=30)
             await check_all(client, pool, TIMEOUT)
             assert pool.snapshot().replicas[0].healthy
