@@ -143,6 +143,23 @@ garbage line
     assert parse_engine_metrics(text) == {"running": 5.0, "waiting": 4.0, "kv_usage": 0.25}
 
 
+def test_parse_engine_metrics_reads_only_whole_samples_of_its_metrics():
+    """Names that merely start like a load gauge, and HELP/TYPE lines that mention one, are not
+    samples of it; the first and the last line (no newline after it) are."""
+    buckets = "".join(f'vllm:time_to_first_token_seconds_bucket{{le="{i}"}} {i}\n' for i in range(40))
+    text = ("vllm:num_requests_running 1\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            'vllm:num_requests_waiting_by_reason{reason="capacity"} 7.0\n'
+            "vllm:num_requests_running_total 50\n"
+            + buckets +
+            "xvllm:num_requests_running 9\n"
+            "vllm:num_requests_waiting{engine=\"0\"} 2.0\n"
+            "vllm:num_requests_waiting{engine=\"1\"} NaN-ish\n"
+            "vllm:num_requests_running{engine=\"1\"}\t3")  # fmt: skip
+    assert parse_engine_metrics(text) == {"running": 4.0, "waiting": 2.0}
+
+
 def test_parse_engine_metrics_reads_the_cache_size_from_vllms_cache_config_info():
     # As vLLM writes it: the CacheConfig as labels of a constant gauge, one sample per engine.
     text = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
