@@ -279,6 +279,7 @@ def test_a_shared_prefix_shorter_than_a_vllm_block_is_predicted_as_vllm_counts_i
 # --- load scraping of a real /metrics page -------------------------------------------------------
 async def test_load_scraper_reads_a_busy_vllm(rig):
     from gateway.config import ReplicaConfig
+    from gateway.fastclient import FastClient
     from gateway.health import check_replica
     from gateway.replicas import Replica, parse_engine_metrics
 
@@ -300,11 +301,15 @@ async def test_load_scraper_reads_a_busy_vllm(rig):
     async def scrape_while_busy(http, still_generating) -> None:
         rep = Replica(ReplicaConfig(target.url))
         deadline = time.monotonic() + 60
-        while rep.running < 1:  # vLLM updates its gauges once per engine step
-            still_generating()
-            assert time.monotonic() < deadline, "vllm:num_requests_running never reached 1"
-            assert await check_replica(http, rep, timeout=30.0)
-            await asyncio.sleep(0.05)
+        probes = FastClient()  # the gateway's probes go out on its upstream client
+        try:
+            while rep.running < 1:  # vLLM updates its gauges once per engine step
+                still_generating()
+                assert time.monotonic() < deadline, "vllm:num_requests_running never reached 1"
+                assert await check_replica(probes, rep, timeout=30.0)
+                await asyncio.sleep(0.05)
+        finally:
+            await probes.aclose()
         page = (await http.get(target.url + "/metrics")).text
         parsed = parse_engine_metrics(page)
         assert parsed["running"] == metric_value(page, "vllm:num_requests_running")
