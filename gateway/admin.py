@@ -81,7 +81,7 @@ class AdminApi:
             if st.pool.get(cfg.id) is not None:
                 raise BadRequest(f"replica {cfg.id!r} already exists", code="replica_exists")
             rep = st.pool.add(cfg)
-            await check_replica(st.client, rep, st.cfg.connect_timeout_s)
+            await check_replica(st.proxy.client, rep, st.cfg.connect_timeout_s)
             return _json(rep.to_json(), 201)
         except KvgateError as exc:
             return _error(exc)

@@ -43,7 +43,7 @@ from .state import (
     check_store_url,
     make_store,
 )
-from .upstream import UpstreamClient, make_client, make_upstream
+from .upstream import make_client, make_upstream
 from .wire import send_error
 
 log = logging.getLogger("kvgate.gateway")
@@ -59,7 +59,6 @@ class GatewayState:
     pool: ReplicaPool
     proxy: Proxy
     metrics: GatewayMetrics
-    client: UpstreamClient  # the proxy's, which the health checks share
     started: float
     sync: StateSync | SoloSync
 
@@ -150,7 +149,7 @@ class GatewayApp:
         capacities(pool)
         # Replay the shared stream before serving (bounded); /ready says 503 until it is done.
         await sync.start(wait_s=2.0)
-        self.state = GatewayState(cfg, pool, proxy, metrics, upstream, self._clock(), sync)
+        self.state = GatewayState(cfg, pool, proxy, metrics, self._clock(), sync)
         checker = asyncio.create_task(
             health_loop(upstream, pool, cfg.health_interval_s, cfg.connect_timeout_s, capacities)
         )

@@ -30,8 +30,8 @@ class DisconnectWatch:
         self.after_s = after_s
         # Running, no watcher yet: exchange -> (receive, task, t0), in start order.  A request is
         # added with ``pending[ex] = (receive, task, loop.time())`` (and, when ``sweeper`` is None,
-        # ``sweeper = loop.call_later(after_s, sweep)``); once over, it is set ``finished``,
-        # popped, and its ``watcher`` cancelled.
+        # ``sweeper = loop.call_later(after_s, sweep)``); once over, it is set ``finished`` and
+        # popped (its ``watcher``, if any, returns on the response's end).
         self.pending: dict = {}
         self.sweeper: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop | None = None

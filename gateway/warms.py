@@ -72,7 +72,7 @@ class Warmer:
     def __init__(self, pool: ReplicaPool, policy, client: UpstreamClient, holds: PrefillHolds,
                  counter, clock: Callable[[], float],
                  features_of: Callable[..., ParsedRequest] | None = None,
-                 failed: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
+                 failed: Callable[[str, str], None] = lambda replica, kind: None) -> None:  # fmt: skip
         self.pool = pool
         self.policy = policy
         self.client = client
@@ -137,7 +137,7 @@ class Warmer:
             ok = resp.status < 400
             outcome = "ok" if ok else f"status_{resp.status}"
             if resp.status in RETRYABLE_STATUS:
-                self._failed(replica, outcome)
+                self.failed(replica, outcome)
             elif ok:
                 self.pool.record_success(replica)
             if ok:
@@ -146,7 +146,7 @@ class Warmer:
                 self.holds.first_token(features, replica)
         except fc.HTTPError as exc:
             log.warning("warm failed", extra={"replica": replica, "error": str(exc)})
-            self._failed(replica, error_kind(exc))
+            self.failed(replica, error_kind(exc))
         finally:
             self.pool.end(replica)
             self.counter.labels(replica, outcome).inc()
@@ -156,10 +156,6 @@ class Warmer:
                 cached_tokens=cached_tokens(usage), latency_s=self.clock() - started, ttft_s=ttft,
                 predicted_cached_tokens=warm.predicted_cached_tokens,
             ))
-
-    def _failed(self, replica: str, kind: str) -> None:
-        if self.failed is not None:
-            self.failed(replica, kind)
 
     async def aclose(self) -> None:
         """Cancel the warms still in flight (shutdown)."""

@@ -33,23 +33,8 @@ Algorithm (filter -> score -> pick):
   chunk's tokens are estimated, and a block ending right at the match may not be shared).  A session's earlier turns are in the index under the replica
   they went to, so session affinity is scored as the cache it is, not as a rule.
   Ranking adds what a choice costs the requests after it (``penalty``, reported apart: the
-  decision's ``ttft_ms`` is the prediction alone)::
-
-      cost(r) = ttft(r) + (P - hit(r)) * prefill_ms_per_token * work
-                + evicted(r) * tokens_per_hash * prefill_ms_per_token * evict_weight * (1 + work)
-
-  ``work = work_weight * work_factor(max_running, rho)``, ``rho`` the mean load over
-  ``max_running``: Erlang C (the chance that the requests arriving after it wait at all) over
-  ``1 - rho`` (how many of them a busy period holds), capped at rho 0.95.  Recomputed tokens are
-  capacity lost: while slots are free this is near 0 (8 slots at 40%: 0.03) and the greedy TTFT
-  decides; when every slot is busy it is large (3 slots at 90%: 8), and a request stays with
-  the replica holding its prefix through a queue that a greedy pick would leave for a cold
-  prefill elsewhere -- whose work then delays everyone there, and whose copy pushes another
-  prefix out.  ``evicted(r)``: the blocks r would store (the prompt's hashes beyond its
-  match) past the room its capacity model has left (``PrefixIndex.rooms``), each computed again
-  later by whoever needs it.  In the shared-prefix benchmark at a load that queues (3 slots,
-  about 90% busy) the greedy pick recomputed a group's prompt on every replica and reached 81%
-  of the ideal hit rate; priced, 97%, with lower TTFT p50 and p99.
+  decision's ``ttft_ms`` is the prediction alone): the tokens it recomputes, priced by how busy
+  the replicas are, and the prefixes its copy would evict (``cache_aware_scores.Pressure``).
   Waiting for a prefill in flight (``wait_for_prefill``): where r is still computing part of the
   match, r also gets ``ttft_wait(r) = queue_ms(r) + wait_ms(r) + (P - full(r)) *
   prefill_ms_per_token``, ``full(r)`` the whole match and ``wait_ms(r)`` the time until the

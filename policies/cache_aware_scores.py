@@ -236,7 +236,24 @@ def work_factor(servers: int, rho: float) -> float:
 class Pressure:
     """How loaded the replicas are, as ``cache_aware`` needs it: the load bound, and the price of
     recomputing (``work_weight`` x ``work_factor`` at the mean utilisation, memoised by the
-    percent)."""
+    percent).  ``cache_aware`` ranks a replica r by what choosing it costs the requests after it::
+
+        cost(r) = ttft(r) + (P - hit(r)) * prefill_ms_per_token * work
+                  + evicted(r) * tokens_per_hash * prefill_ms_per_token * evict_weight * (1 + work)
+
+    ``work = work_weight * work_factor(max_running, rho)``, ``rho`` the mean load over
+    ``max_running``: Erlang C (the chance that the requests arriving after it wait at all) over
+    ``1 - rho`` (how many of them a busy period holds), capped at rho 0.95.  Recomputed tokens are
+    capacity lost: while slots are free this is near 0 (8 slots at 40%: 0.03) and the greedy TTFT
+    decides; when every slot is busy it is large (3 slots at 90%: 8), and a request stays with
+    the replica holding its prefix through a queue that a greedy pick would leave for a cold
+    prefill elsewhere -- whose work then delays everyone there, and whose copy pushes another
+    prefix out.  ``evicted(r)``: the blocks r would store (the prompt's hashes beyond its
+    match) past the room its capacity model has left (``PrefixIndex.rooms``), each computed again
+    later by whoever needs it.  In the shared-prefix benchmark at a load that queues (3 slots,
+    about 90% busy) the greedy pick recomputed a group's prompt on every replica and reached 81%
+    of the ideal hit rate; priced, 97%, with lower TTFT p50 and p99.
+    """
 
     __slots__ = ("_p", "_bound", "_memo")
 
