@@ -52,7 +52,7 @@ def test_bench_routing_end_to_end(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "bench", "routing", "--workloads", "shared_prefix",
-         "--targets", "kvgate/round_robin,oracle", "--scale", "0.05", "--replicas", "2",
+         "--targets", "kvgate/round_robin,oracle,pooled", "--scale", "0.05", "--replicas", "2",
          "--decode-ms-per-token", "1", "--rounds", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=180,
     )
@@ -60,15 +60,20 @@ def test_bench_routing_end_to_end(tmp_path):
     expected = int(len(shared_prefix().requests) * 0.05)
     data = json.loads((out / "routing.json").read_text())
     rows = {r["target"]: r for r in data["rows"]}
-    assert set(rows) == {"kvgate/round_robin", "oracle"}
+    assert set(rows) == {"kvgate/round_robin", "oracle", "pooled"}
     for r in rows.values():  # two rounds: each row sums both runs' requests
         assert r["failures"] == 0 and r["requests"] == 2 * expected and sum(r["per_replica"]) == expected
         assert 0 < r["hit_rate"] <= r["ideal_hit_rate"] + 1e-9
         # no warms here: what the replicas computed is what the clients asked for
         assert r["engine_hit_rate"] == pytest.approx(r["hit_rate"], abs=1e-9)
     assert rows["oracle"]["hit_rate"] >= rows["kvgate/round_robin"]["hit_rate"]
+    # one replica with every slot and a cache for everything: it served all, and no partition of
+    # the cache finds more (what it misses is prompts that arrive while their prefix is computed)
+    assert len(rows["pooled"]["per_replica"]) == 1 and rows["pooled"]["max_over_mean_load"] == 1.0
+    assert rows["pooled"]["hit_rate"] >= rows["oracle"]["hit_rate"] - 0.02
     assert sorted((r["target"], r["round"]) for r in data["runs"]) == [
-        ("kvgate/round_robin", 0), ("kvgate/round_robin", 1), ("oracle", 0), ("oracle", 1)]
+        ("kvgate/round_robin", 0), ("kvgate/round_robin", 1), ("oracle", 0), ("oracle", 1),
+        ("pooled", 0), ("pooled", 1)]
     md = (out / "routing.md").read_text()
     assert "| shared_prefix | oracle" in md and "median of 2 rounds" in md
 
@@ -165,7 +170,10 @@ def test_all_targets_without_the_peer_routers_warns_and_a_readme_table_refuses(m
     with pytest.raises(SystemExit, match="unknown or unavailable"):
         routing.target_names("sglang-router/cache_aware")
     monkeypatch.setattr(routing, "find_peer", lambda name: f"/opt/{name}")
-    assert set(routing.PEERS) <= set(routing.target_names("all", need_peers=True))
+    every = routing.target_names("all", need_peers=True)
+    assert set(routing.PEERS) <= set(every) and routing.POOLED not in every  # named on its own
+    assert routing.target_names("all,pooled") == [*every, routing.POOLED]
+    assert routing.target_names("oracle,pooled,oracle") == ["oracle", routing.POOLED]
 
 
 def test_rate_scale_keeps_the_script_and_stretches_its_arrivals() -> None:

@@ -8,13 +8,19 @@ simulated replicas advertise KV pulls from peers, ``--kv-bandwidth-gbps`` / ``--
 so a spill may pull the holder's blocks), ``kvgate/cache_aware+migrate=false`` (the same without
 pulls, as in front of engines that cannot pull), ``sglang-router`` (cache_aware), ``vllm-router``
 (cache_aware, consistent_hash, sticky_least_loaded) when installed, and an oracle that hashes the
-group/session straight to a replica (the best reachable hit rate with perfect affinity).
+group/session straight to a replica (the best reachable hit rate with perfect affinity).  On
+request (``--targets all,pooled``), ``pooled``: the script sent straight to one more simulated
+replica that has every replica's slots and a cache that holds everything -- one first-come,
+first-served queue over all the slots where every repeat is a hit, the best a router that serves
+requests in their order of arrival can do; a router whose TTFT p50 is below it serves some
+requests out of their turn (makes earlier ones wait longer than later ones).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -35,6 +41,7 @@ from .workloads import WORKLOADS, BenchRequest, Workload, footprint
 
 KVGATE_POLICIES = ("round_robin", "least_load", "session", "prefix", "cache_aware")
 NO_PULL = "kvgate/cache_aware+migrate=false"  # cache_aware where the engines cannot pull
+POOLED = "pooled"  # one replica with all the slots and an unbounded cache, no router: the fair bound
 PEERS = {
     "sglang-router/cache_aware": ("sglang-router", "cache_aware"),
     "vllm-router/cache_aware": ("vllm-router", "cache_aware"),
@@ -91,30 +98,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def target_names(requested: str, *, need_peers: bool = False) -> list[str]:
     """The targets to run.  ``all`` leaves out the peer routers that are not installed, with a
-    warning on stderr, or (``need_peers``: a table for the README) refuses to run without them."""
+    warning on stderr, or (``need_peers``: a table for the README) refuses to run without them;
+    it does not include ``pooled``, which is named on its own (``all,pooled``)."""
     names = [f"kvgate/{p}" for p in KVGATE_POLICIES] + [NO_PULL]
     tools = {tool for tool, _ in PEERS.values()}
     found = {tool for tool in tools if find_peer(tool)}
     names += [n for n, (tool, _) in PEERS.items() if tool in found]
     names.append("oracle")
-    if requested == "all":
+    wanted = [n.strip() for n in requested.split(",") if n.strip()]
+    if "all" in wanted:  # "all", or e.g. "all,pooled"
         missing = sorted(tools - found)
         if missing:
             msg = f"peer routers not installed: {', '.join(missing)} (pip install -e '.[bench]')"
             if need_peers:
                 raise SystemExit(f"{msg}; --readme compares against every peer")
             print(f"warning: {msg}; their targets are left out", file=sys.stderr)
-        return names
-    wanted = [n.strip() for n in requested.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in names]
+        wanted = names + [n for n in wanted if n != "all"]
+    unknown = [n for n in wanted if n not in names and n != POOLED]
     if unknown:
-        raise SystemExit(f"unknown or unavailable target(s): {unknown}; available: {names}")
-    return wanted
+        raise SystemExit(f"unknown or unavailable target(s): {unknown}; available: {names + [POOLED]}")
+    return list(dict.fromkeys(wanted))
 
 
 def router_proc(name: str, urls: list[str], port: int, sim_args: dict) -> Proc | None:
     ready = f"http://127.0.0.1:{port}/health"
-    if name == "oracle":
+    if name in ("oracle", POOLED):
         return None
     if name.startswith("kvgate/"):
         policy = name.split("/", 1)[1].split("+", 1)[0]
@@ -181,7 +189,9 @@ def summarize(workload: Workload, target: str, results: list[Result], wall: floa
 
 
 def run_target(name: str, workload: Workload, urls: list[str], sim_args: dict, ideal: float,
-               log_dir: str) -> Row:
+               log_dir: str, pooled_url: str = "") -> Row:
+    if name == POOLED:  # straight to the pooled replica, as the oracle goes straight to its pick
+        urls = [pooled_url]
     port = free_port()
     proc = router_proc(name, urls, port, sim_args)
     if proc is not None:
@@ -240,6 +250,22 @@ def warm_up(workload: Workload, urls: list[str]) -> None:
     _reset(urls)
 
 
+@contextlib.contextmanager
+def _pooled_replica(args: argparse.Namespace, distinct_blocks: int, log_dir: str):
+    """The ``pooled`` target's replica: every replica's slots in one, a cache twice the
+    workload's distinct blocks (it never evicts); yields its URL."""
+    port = free_port()
+    proc = Proc("pooled", [
+        sys.executable, "-m", "gateway.cli", "sim", "--replicas", "1", "--port", str(port),
+        "--cache-blocks", str(max(16, 2 * distinct_blocks)),
+        "--max-running", str(args.replicas * args.max_running),
+        "--prefill-ms-per-token", str(args.prefill_ms_per_token),
+        "--decode-ms-per-token", str(args.decode_ms_per_token)],
+        f"http://127.0.0.1:{port}/health")
+    with proc.start(timeout=60, log_dir=log_dir):
+        yield f"http://127.0.0.1:{port}"
+
+
 def _scaled(name: str, scale: float, rate_scale: float = 1.0) -> Workload:
     """Workload ``name`` with ``scale`` of its requests, arriving at ``rate_scale`` x its rate."""
     if scale <= 0 or rate_scale <= 0:
@@ -278,12 +304,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"{wname}: {len(workload.requests)} requests over {workload.duration_s:.0f}s, "
               f"ideal hit rate {fp.ideal_hit_rate:.1%}, {fp.distinct_blocks} distinct blocks, "
               f"{cache_blocks} cached blocks per replica", file=sys.stderr)
-        with sims.start(timeout=60, log_dir=log_dir):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(sims.start(timeout=60, log_dir=log_dir))
             warm_up(workload, urls)
+            pooled_url = ""
+            if POOLED in targets:
+                pooled_url = stack.enter_context(_pooled_replica(args, fp.distinct_blocks, log_dir))
+                warm_up(workload, [pooled_url])
             runs: dict[str, list[Row]] = {name: [] for name in targets}
             for r in range(max(1, args.rounds)):
                 for name in rotated(targets, r):
-                    runs[name].append(run_target(name, workload, urls, sim_args, fp.ideal_hit_rate, log_dir))
+                    runs[name].append(run_target(name, workload, urls, sim_args, fp.ideal_hit_rate, log_dir,
+                                                 pooled_url))
             rows += [median_row(runs[name]) for name in targets]
             all_runs.extend(asdict(row) | {"round": i} for name in targets for i, row in enumerate(runs[name]))
         write_report(rows, args, final=False, runs=all_runs)  # keep what was measured so far
