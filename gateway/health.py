@@ -5,7 +5,10 @@ the fast client, or httpx where configured), on its pooled keep-alive connection
 a round of three GETs to four replicas took about 17 ms of the event loop's CPU every
 ``health_interval_s``, in one burst that delayed whichever requests were relaying at that moment
 (a few ms: the tail of a benchmark's TTFT); on the fast client 1.6 ms, and the probes keep a
-warm connection to every replica for the first requests after start-up.
+warm connection to every replica for the first requests after start-up.  ``/v1/models`` is asked
+every ``models_every`` rounds (30 s at the default interval), at once while a replica has no
+models and when it comes back up (a restart may bring another model): an engine's models do not
+change while it runs, so the other rounds cost two GETs, not three.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from .upstream import UpstreamClient
 
 log = logging.getLogger("kvgate.health")
 
+MODELS_EVERY = 15  # health rounds between two /v1/models probes of a replica that stays up
+
 
 async def _get(client: UpstreamClient, base_url: str, path: str, timeout: float) -> tuple[int, bytes]:
     """``GET base_url + path``: (status, body), within ``timeout`` seconds (head and body)."""
@@ -37,8 +42,9 @@ async def _get(client: UpstreamClient, base_url: str, path: str, timeout: float)
 
 
 async def check_replica(
-    client: UpstreamClient, rep: Replica, timeout: float, patience: int = 1
-) -> bool:
+    client: UpstreamClient, rep: Replica, timeout: float, patience: int = 1,
+    models_every: int = MODELS_EVERY,
+) -> bool:  # fmt: skip
     """One round for one replica; updates it in place and returns its health.
 
     A replica is down at once when it says so (``/health`` answers other than 200) or when it
@@ -61,13 +67,17 @@ async def check_replica(
         rep.failures += 1
         return _set_health(rep, False)
     rep.failures = 0
+    if not rep.healthy:
+        rep.models_due = 0  # back up: perhaps restarted with another model
     try:
-        if not rep.static_models:
+        rep.models_due -= 1
+        if not rep.static_models and (rep.models_due < 0 or not rep.models):
             status, body = await _get(client, rep.url, "/v1/models", timeout)
             data = orjson.loads(body).get("data", []) if status == 200 else []
             ids = frozenset(m["id"] for m in data if isinstance(m, dict) and "id" in m)
             if ids:
                 rep.models = ids
+                rep.models_due = models_every - 1
         status, body = await _get(client, rep.url, "/metrics", timeout)
         rep.metrics_ok = status == 200
         if rep.metrics_ok:

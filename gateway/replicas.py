@@ -15,7 +15,7 @@ class Replica:
         "id", "url", "models", "static_models", "healthy", "draining", "in_flight",
         "running", "waiting", "kv_usage", "failures", "metrics_ok", "removing", "remote_in_flight",
         "others", "others_waiting", "_scraped_others", "_remote_at_scrape", "kv_tokens", "held",
-        "pull_ms_per_token",
+        "pull_ms_per_token", "models_due",
     )
 
     def __init__(self, cfg: ReplicaConfig) -> None:
@@ -23,6 +23,7 @@ class Replica:
         self.url = cfg.url
         self.models: frozenset[str] = frozenset(cfg.models)
         self.static_models = bool(cfg.models)
+        self.models_due = 0  # health rounds until /v1/models is asked again (gateway.health)
         self.healthy = True  # optimistic until the first health check says otherwise
         self.draining = False
         self.in_flight = 0

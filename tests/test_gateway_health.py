@@ -89,6 +89,31 @@ async def test_a_replica_that_says_it_is_unhealthy_or_cannot_be_reached_is_out_a
         assert not rep.healthy and rep.failures == 1
 
 
+async def test_models_are_asked_every_few_rounds_and_when_a_replica_comes_back(probes):
+    """An engine's models do not change while it runs: /v1/models is asked at the first round,
+    then every ``models_every`` rounds, and at once when the replica comes back up."""
+    group, url = await start_sim()
+    try:
+        rep = Replica(ReplicaConfig(url))
+        async with probes() as client:
+            assert await check_replica(client, rep, TIMEOUT, models_every=3)
+            assert rep.models == frozenset({"tiny"})
+            rep.models = frozenset({"stale"})  # what a probe would replace
+            for _ in range(2):  # rounds 2 and 3: /health and /metrics only
+                assert await check_replica(client, rep, TIMEOUT, models_every=3)
+                assert rep.models == frozenset({"stale"}) and rep.metrics_ok
+            assert await check_replica(client, rep, TIMEOUT, models_every=3)  # round 4: asked
+            assert rep.models == frozenset({"tiny"})
+            rep.models = frozenset({"stale"})
+            await set_faults(url, unhealthy=True)
+            assert not await check_replica(client, rep, TIMEOUT, models_every=3)
+            await set_faults(url, unhealthy=False)
+            assert await check_replica(client, rep, TIMEOUT, models_every=3)  # back: asked at once
+            assert rep.models == frozenset({"tiny"})
+    finally:
+        await group.stop()
+
+
 async def test_check_all_gives_every_replica_the_pools_patience(probes):
     group, url = await start_sim()
     try:
