@@ -74,7 +74,8 @@ class Row:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help="comma-separated (default: all, as in the README table)")
-    p.add_argument("--targets", default="all", help="comma-separated target names, or 'all'")
+    p.add_argument("--targets", default="all",
+                   help="comma-separated target names, or 'all' ('all,pooled' adds the pooled reference)")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     p.add_argument("--decode-ms-per-token", type=float, default=10.0)
