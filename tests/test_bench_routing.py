@@ -177,7 +177,8 @@ def test_all_targets_without_the_peer_routers_warns_and_a_readme_table_refuses(m
 
 
 def test_rate_scale_keeps_the_script_and_stretches_its_arrivals() -> None:
-    from gateway.bench.routing import _rate_note, _scaled
+    from gateway.bench.routing import _scaled
+    from gateway.bench.routing_report import _rate_note
 
     base, slow = _scaled("hot_prefix", 0.1), _scaled("hot_prefix", 0.1, 0.8)
     assert len(slow.requests) == len(base.requests) == 80
