@@ -87,13 +87,28 @@ def test_rounds_rotate_the_order_and_report_medians():
 
     def row(p50: float, p99: float, failures: int = 0) -> Row:
         return Row("w", "t", 10, failures, p50 / 100, 0.9, p50, p99, 2 * p50, 2 * p99, 5.0, 1.0,
-                   [int(p99), 10 - int(p99)])
+                   [int(p99), 10 - int(p99)], ttft_mean_ms=p50 + 1)
 
     m = median_row([row(10, 3), row(30, 9), row(20, 1, failures=2)])
     assert (m.ttft_p50_ms, m.ttft_p99_ms, m.e2e_p99_ms, m.hit_rate) == (20, 3, 6, 0.2)
+    assert m.ttft_mean_ms == 21
     assert (m.requests, m.failures, m.per_replica) == (30, 2, [3, 7])  # the median-p99 run's split
     one = row(5, 5)
     assert median_row([one]) is one
+
+
+def test_summary_counts_served_requests_and_their_mean_ttft():
+    from gateway.bench.loadgen import Result
+    from gateway.bench.routing import summarize
+    from gateway.bench.workloads import Workload
+
+    results = [Result(0, True, 0.010, 0.1, 100, 50), Result(1, True, 0.030, 0.2, 100, 0),
+               Result(2, False, error="503"), Result(3, True, 0.200, 0.4, 200, 150)]
+    row = summarize(Workload("w", []), "t", results, 2.0, [2, 1], 0.9, 0.5)
+    assert (row.requests, row.failures, row.per_replica) == (4, 1, [2, 1])
+    assert row.hit_rate == 200 / 400 and row.throughput_rps == 1.5
+    assert abs(row.ttft_mean_ms - 80.0) < 1e-9  # the failed request counts in no latency
+    assert row.ttft_p50_ms == 30.0 and abs(row.max_over_mean_load - 2 / 1.5) < 1e-9
 
 
 def test_hot_prefix_workload_ramps_one_document_up_to_its_share():
