@@ -185,7 +185,7 @@ def summarize(workload: Workload, target: str, results: list[Result], wall: floa
         workload.name, target, len(results), len(results) - len(ok), cached / prompt if prompt else 0.0,
         ideal, percentile(ttft, 0.5), percentile(ttft, 0.99), percentile(e2e, 0.5), percentile(e2e, 0.99),
         len(ok) / wall if wall else 0.0, max(per_replica) / mean if mean else 0.0, per_replica,
-        engine_hit, sum(ttft) / len(ttft) if ttft else 0.0,
+        engine_hit, statistics.fmean(ttft) if ttft else 0.0,
     )
 
 
@@ -251,18 +251,23 @@ def warm_up(workload: Workload, urls: list[str]) -> None:
     _reset(urls)
 
 
+def _sim_proc(name: str, args: argparse.Namespace, replicas: int, port: int, cache_blocks: int,
+              max_running: int, extra: tuple[str, ...] | list[str] = ()) -> Proc:
+    """``kvgate sim`` with ``replicas`` replicas on ports from ``port``, at the bench's timings."""
+    return Proc(name, [
+        sys.executable, "-m", "gateway.cli", "sim", "--replicas", str(replicas), "--port", str(port),
+        "--cache-blocks", str(cache_blocks), "--max-running", str(max_running),
+        "--prefill-ms-per-token", str(args.prefill_ms_per_token),
+        "--decode-ms-per-token", str(args.decode_ms_per_token), *extra],
+        f"http://127.0.0.1:{port + replicas - 1}/health")
+
+
 @contextlib.contextmanager
 def _pooled_replica(args: argparse.Namespace, distinct_blocks: int, log_dir: str):
     """The ``pooled`` target's replica: every replica's slots in one, a cache twice the
     workload's distinct blocks (it never evicts); yields its URL."""
     port = free_port()
-    proc = Proc("pooled", [
-        sys.executable, "-m", "gateway.cli", "sim", "--replicas", "1", "--port", str(port),
-        "--cache-blocks", str(max(16, 2 * distinct_blocks)),
-        "--max-running", str(args.replicas * args.max_running),
-        "--prefill-ms-per-token", str(args.prefill_ms_per_token),
-        "--decode-ms-per-token", str(args.decode_ms_per_token)],
-        f"http://127.0.0.1:{port}/health")
+    proc = _sim_proc("pooled", args, 1, port, max(16, 2 * distinct_blocks), args.replicas * args.max_running)
     with proc.start(timeout=60, log_dir=log_dir):
         yield f"http://127.0.0.1:{port}"
 
@@ -294,13 +299,9 @@ def run(args: argparse.Namespace) -> int:
         fp = footprint(workload)
         cache_blocks = max(16, int(fp.distinct_blocks * args.cache_fraction))
         first = free_port_block(args.replicas)
-        sims = Proc("sims", [
-            sys.executable, "-m", "gateway.cli", "sim", "--replicas", str(args.replicas), "--port", str(first),
-            "--cache-blocks", str(cache_blocks), "--max-running", str(args.max_running),
-            "--prefill-ms-per-token", str(args.prefill_ms_per_token),
-            "--decode-ms-per-token", str(args.decode_ms_per_token),
-            "--kv-bandwidth-gbps", str(args.kv_bandwidth_gbps), "--kv-block-bytes", str(args.kv_block_bytes)],
-            f"http://127.0.0.1:{first + args.replicas - 1}/health")
+        sims = _sim_proc("sims", args, args.replicas, first, cache_blocks, args.max_running,
+                         ["--kv-bandwidth-gbps", str(args.kv_bandwidth_gbps),
+                          "--kv-block-bytes", str(args.kv_block_bytes)])
         urls = [f"http://127.0.0.1:{first + i}" for i in range(args.replicas)]
         print(f"{wname}: {len(workload.requests)} requests over {workload.duration_s:.0f}s, "
               f"ideal hit rate {fp.ideal_hit_rate:.1%}, {fp.distinct_blocks} distinct blocks, "
